@@ -1,0 +1,1 @@
+/* entry.c -- placeholder, replaced below */
