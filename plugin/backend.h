@@ -1,0 +1,82 @@
+/* backend.h -- what an execution backend (cpu-reference, cuda) provides to
+ * the op. The op (op.c) validates every argument and the lifecycle before
+ * calling in; backends trust their inputs' shapes and dtypes. */
+#ifndef MM_BACKEND_H
+#define MM_BACKEND_H
+
+#include <stdint.h>
+
+#include "config.h"
+#include "qmat.h"
+#include "status.h"
+
+typedef struct mm_op mm_op;
+
+/* Execute inputs, already checked: shapes [T, H], [T, k], [T, k], [T, H]. */
+typedef struct mm_exec_io {
+  int T;
+  const uint16_t *hidden;      /* bf16 */
+  const int32_t *topk_ids;
+  const float *topk_weights;
+  uint16_t *out;               /* bf16 */
+  void *stream;                /* cudaStream_t or NULL */
+  int on_device;               /* tensors are device pointers */
+} mm_exec_io;
+
+typedef struct mm_backend_ops {
+  const char *name; /* "cpu-reference", "cuda" */
+  /* Creates backend state (device context, communicator, streams). */
+  mm_err *(*init)(mm_op *op);
+  /* Takes ownership of the canonical weights of layer `layer` (num_local
+   * experts) and converts them to the backend's layout. On error the
+   * backend frees `experts`' contents it took and keeps no part of the layer. */
+  mm_err *(*prepare_layer)(mm_op *op, int layer, mm_expert_q *experts, int num_local,
+                           void *stream);
+  /* Allocates all run-time buffers for max_tokens per rank; reports bytes. */
+  mm_err *(*plan)(mm_op *op, int max_tokens, void *stream, uint64_t *device_bytes,
+                  uint64_t *host_bytes);
+  mm_err *(*execute)(mm_op *op, int layer, const mm_exec_io *io);
+  /* Frees everything; called once, also after a failed init. */
+  void (*destroy)(mm_op *op);
+} mm_backend_ops;
+
+extern const mm_backend_ops mm_backend_cpu;
+#ifdef MM_HAVE_CUDA
+extern const mm_backend_ops mm_backend_cuda;
+/* Number of usable CUDA devices (0 when the driver or a GPU is missing). */
+int mm_cuda_device_count(void);
+#endif
+
+/* The op's state, shared with backends. */
+typedef enum { MM_OP_CREATED = 0, MM_OP_PLANNED = 1, MM_OP_FATAL = 2 } mm_op_state;
+
+typedef struct mm_layer_slot {
+  int ready;
+  mm_expert_q *experts; /* canonical host copy (cpu backend keeps it) */
+  void *backend_layer;  /* backend-owned prepared form */
+} mm_layer_slot;
+
+struct mm_op {
+  mm_config cfg;
+  const mm_backend_ops *backend;
+  mm_op_state state;
+  int device;            /* CUDA ordinal or -1 */
+  int rank, ep_size;
+  int num_local_experts, first_local_expert;
+  int resolved_gran_k;   /* 16 / 32 after the first prepare, else 0 */
+  void *host_nccl_comm;  /* borrowed from create args, may be NULL */
+  char comm_key[128];
+  int planned_tokens;
+  mm_layer_slot *layers;
+  int num_layer_slots;
+  void *backend_state;   /* owned by the backend */
+  char fatal_message[512];
+};
+
+/* Logging through the host's services (entry.c). */
+void mm_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The host's services table (copied at init); fields may be NULL. */
+struct megamoe_host_services;
+const struct megamoe_host_services *mm_host_services(void);
+
+#endif
