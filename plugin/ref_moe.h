@@ -12,6 +12,7 @@
 #ifndef MM_REF_MOE_H
 #define MM_REF_MOE_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "qmat.h"
@@ -23,6 +24,16 @@
 void mm_ref_expert_rows(const mm_expert_q *e, int m, const uint8_t *xq,
                         const float *xs, const float *row_weight, float clamp,
                         uint16_t *out);
+/* Same with an explicit thread count (0 = all cores). */
+void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
+                           const float *xs, const float *row_weight, float clamp,
+                           int threads, uint16_t *out);
+
+/* silu(g) * u * w in FP32, the exact expression every backend uses. */
+static inline float mm_swiglu_weighted(float g, float u, float w) {
+  float s = g / (1.0f + expf(-g));
+  return (s * u) * w;
+}
 
 /* bf16 [T, H] -> FP8 [T, H] + FP32 scales [T, H/128]. H % 128 == 0. */
 void mm_ref_quant_act(const uint16_t *x, int T, int H, uint8_t *xq, float *xs);
@@ -38,6 +49,8 @@ typedef struct mm_ref_layer_args {
   float activation_clamp;        /* 0 = none */
   int threads;                   /* 0 = all cores */
   uint16_t *out;                 /* bf16 [T, H] */
+  float *out_f32;                /* optional [T, H]: the FP32 combine sums
+                                    before the final BF16 rounding */
 } mm_ref_layer_args;
 
 /* The whole layer for one rank that owns every expert any token selects

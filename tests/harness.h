@@ -70,17 +70,17 @@ static int mm_test_case_failed_ = 0;
   } while (0)
 
 /* CHECK_ERR(expr, code): expr must fail with `code`; the error is freed. */
-#define CHECK_ERR(expr, code)                                              \
+#define CHECK_ERR(expr, want_code)                                              \
   do {                                                                     \
     megamoe_error *e_ = (expr);                                            \
     if (!e_) {                                                             \
       printf("# %s:%d: %s succeeded, expected code %d\n", __FILE__,        \
-             __LINE__, #expr, (int)(code));                                \
+             __LINE__, #expr, (int)(want_code));                                \
       mm_test_case_failed_ = 1;                                            \
     } else {                                                               \
-      if ((int)e_->code != (int)(code)) {                                  \
+      if ((int)e_->code != (int)(want_code)) {                                  \
         printf("# %s:%d: %s: code %d, expected %d (%s)\n", __FILE__,       \
-               __LINE__, #expr, (int)e_->code, (int)(code), e_->message);  \
+               __LINE__, #expr, (int)e_->code, (int)(want_code), e_->message);  \
         mm_test_case_failed_ = 1;                                          \
       }                                                                    \
       megamoe_error_destroy(e_);                                           \

@@ -1,0 +1,196 @@
+/* ref_moe.c -- CPU reference of the MoE layer (see ref_moe.h for the order
+ * of roundings). Deliberately plain: decode a weight row to floats, take dot
+ * products in float64, round where the GPU rounds. */
+#include "ref_moe.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+/* Decodes row r of m (e2m1 * group scale, exact in FP32) into w[cols]. */
+static void decode_row(const mm_qmat *m, int r, float *w) {
+  const uint8_t *codes = m->codes + (size_t)r * (size_t)(m->cols / 2);
+  int groups = m->cols / m->gran;
+  for (int g = 0; g < groups; g++) {
+    float s = mm_qmat_group_scale(m, r, g);
+    for (int k = g * m->gran; k < (g + 1) * m->gran; k++)
+      w[k] = mm_e2m1_to_float(mm_fp4_get(codes, (size_t)k)) * s;
+  }
+}
+
+/* y[i][n] = (float)(row_scale[n] * sum_k x[i][k] * W[n][k]) for rows n in
+ * [begin, end); x is dequantized activations in double [m, K]. */
+typedef struct {
+  const mm_qmat *w;
+  const double *x;
+  int m;
+  float *y; /* [m, w->rows] */
+} gemm_job;
+
+static void gemm_rows(void *ctx, size_t begin, size_t end) {
+  gemm_job *j = ctx;
+  int K = j->w->cols;
+  float *wrow = malloc(sizeof(float) * (size_t)K);
+  if (!wrow) return; /* outputs stay poisoned; callers check for NaN */
+  for (size_t n = begin; n < end; n++) {
+    decode_row(j->w, (int)n, wrow);
+    for (int i = 0; i < j->m; i++) {
+      const double *xi = j->x + (size_t)i * (size_t)K;
+      double acc = 0.0;
+      for (int k = 0; k < K; k++) acc += xi[k] * (double)wrow[k];
+      j->y[(size_t)i * (size_t)j->w->rows + n] = (float)(acc * (double)j->w->row_scale[n]);
+    }
+  }
+  free(wrow);
+}
+
+static void dequant_act(const uint8_t *q, const float *s, int m, int K, double *x) {
+  int blocks = K / MM_ACT_BLOCK;
+  for (int i = 0; i < m; i++)
+    for (int k = 0; k < K; k++)
+      x[(size_t)i * K + k] =
+          (double)mm_e4m3_to_float(q[(size_t)i * K + k]) * (double)s[(size_t)i * blocks + k / MM_ACT_BLOCK];
+}
+
+void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
+                           const float *xs, const float *row_weight, float clamp,
+                           int threads, uint16_t *out) {
+  if (m <= 0) return;
+  const int H = e->w13.cols, I = e->w2.cols;
+  const int nthreads = mm_thread_count(threads);
+  double *x = malloc(sizeof(double) * (size_t)m * (size_t)(H > I ? H : I));
+  float *h = malloc(sizeof(float) * (size_t)m * 2 * (size_t)I);
+  float *a = malloc(sizeof(float) * (size_t)I);
+  uint8_t *aq = malloc((size_t)m * (size_t)I);
+  float *as = malloc(sizeof(float) * (size_t)m * (size_t)(I / MM_ACT_BLOCK));
+  float *y = malloc(sizeof(float) * (size_t)m * (size_t)H);
+  if (!x || !h || !a || !aq || !as || !y) {
+    for (size_t i = 0; i < (size_t)m * (size_t)H; i++) out[i] = 0x7FC0; /* NaN: visible */
+    goto done;
+  }
+  for (size_t i = 0; i < (size_t)m * 2 * (size_t)I; i++) h[i] = NAN; /* poison */
+  for (size_t i = 0; i < (size_t)m * (size_t)H; i++) y[i] = NAN;
+  /* L1: [m, H] x [2I, H]^T */
+  dequant_act(xq, xs, m, H, x);
+  gemm_job j1 = {&e->w13, x, m, h};
+  mm_parallel_for((size_t)(2 * I), nthreads, gemm_rows, &j1);
+  /* SwiGLU with the top-k weight, then FP8 per 128 channels. */
+  for (int i = 0; i < m; i++) {
+    const float *hi = h + (size_t)i * 2 * (size_t)I;
+    for (int c = 0; c < I; c++) {
+      float g = mm_round_bf16(hi[c]), u = mm_round_bf16(hi[I + c]);
+      if (clamp > 0.0f) {
+        g = fminf(g, clamp);
+        u = fminf(fmaxf(u, -clamp), clamp);
+      }
+      a[c] = mm_swiglu_weighted(g, u, row_weight[i]);
+    }
+    for (int b = 0; b < I / MM_ACT_BLOCK; b++)
+      mm_quant_fp8_block(a + b * MM_ACT_BLOCK, MM_ACT_BLOCK,
+                         aq + (size_t)i * I + (size_t)b * MM_ACT_BLOCK,
+                         as + (size_t)i * (I / MM_ACT_BLOCK) + b);
+  }
+  /* L2: [m, I] x [H, I]^T */
+  dequant_act(aq, as, m, I, x);
+  gemm_job j2 = {&e->w2, x, m, y};
+  mm_parallel_for((size_t)H, nthreads, gemm_rows, &j2);
+  for (size_t i = 0; i < (size_t)m * (size_t)H; i++) out[i] = mm_float_to_bf16(y[i]);
+done:
+  free(x);
+  free(h);
+  free(a);
+  free(aq);
+  free(as);
+  free(y);
+}
+
+void mm_ref_expert_rows(const mm_expert_q *e, int m, const uint8_t *xq,
+                        const float *xs, const float *row_weight, float clamp,
+                        uint16_t *out) {
+  mm_ref_expert_rows_mt(e, m, xq, xs, row_weight, clamp, 0, out);
+}
+
+void mm_ref_quant_act(const uint16_t *x, int T, int H, uint8_t *xq, float *xs) {
+  float block[MM_ACT_BLOCK];
+  for (int t = 0; t < T; t++)
+    for (int b = 0; b < H / MM_ACT_BLOCK; b++) {
+      const uint16_t *src = x + (size_t)t * H + (size_t)b * MM_ACT_BLOCK;
+      for (int i = 0; i < MM_ACT_BLOCK; i++) block[i] = mm_bf16_to_float(src[i]);
+      mm_quant_fp8_block(block, MM_ACT_BLOCK, xq + (size_t)t * H + (size_t)b * MM_ACT_BLOCK,
+                         xs + (size_t)t * (H / MM_ACT_BLOCK) + b);
+    }
+}
+
+mm_err *mm_ref_moe_layer(const mm_ref_layer_args *a) {
+  const int T = a->T, H = a->H, K = a->top_k;
+  if (T < 0 || H <= 0 || H % MM_ACT_BLOCK || a->I <= 0 || a->I % MM_ACT_BLOCK || K <= 0)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "reference layer: bad shape T=%d H=%d I=%d k=%d",
+                    T, H, a->I, K);
+  for (size_t i = 0; i < (size_t)T * (size_t)K; i++) {
+    int id = a->topk_ids[i];
+    if (id == -1) continue;
+    if (id < 0 || id >= a->num_experts)
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                      "topk_ids[%zu][%zu] = %d is outside [0, %d) and not -1 (masked)",
+                      i / (size_t)K, i % (size_t)K, id, a->num_experts);
+    if (id < a->first_expert || id >= a->first_expert + a->num_local)
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                      "topk_ids[%zu][%zu] = %d is not a local expert [%d, %d)", i / (size_t)K,
+                      i % (size_t)K, id, a->first_expert, a->first_expert + a->num_local);
+  }
+  mm_err *err = NULL;
+  const size_t pairs = (size_t)T * (size_t)K;
+  uint8_t *xq = malloc((size_t)T * H + 1);
+  float *xs = malloc(sizeof(float) * ((size_t)T * (H / MM_ACT_BLOCK) + 1));
+  uint16_t *y = malloc(sizeof(uint16_t) * (pairs * H + 1));       /* row of pair (t, k) */
+  uint8_t *pq = malloc(pairs * H + 1);
+  float *ps = malloc(sizeof(float) * (pairs * (H / MM_ACT_BLOCK) + 1));
+  float *pw = malloc(sizeof(float) * (pairs + 1));
+  size_t *pidx = malloc(sizeof(size_t) * (pairs + 1));
+  uint16_t *py = malloc(sizeof(uint16_t) * (pairs * H + 1));
+  if (!xq || !xs || !y || !pq || !ps || !pw || !pidx || !py) {
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "reference layer: out of host memory (T=%d)", T);
+    goto done;
+  }
+  mm_ref_quant_act(a->hidden, T, H, xq, xs);
+  const int blocks = H / MM_ACT_BLOCK;
+  for (int e = 0; e < a->num_local; e++) {
+    /* Gather this expert's (t, k) pairs in ascending order into a pool. */
+    size_t m = 0;
+    for (size_t p = 0; p < pairs; p++) {
+      if (a->topk_ids[p] != a->first_expert + e) continue;
+      size_t t = p / (size_t)K;
+      memcpy(pq + m * H, xq + t * H, (size_t)H);
+      memcpy(ps + m * blocks, xs + t * blocks, sizeof(float) * (size_t)blocks);
+      pw[m] = a->topk_weights[p] * a->routed_scaling_factor;
+      pidx[m++] = p;
+    }
+    if (m == 0) continue;
+    mm_ref_expert_rows_mt(&a->experts[e], (int)m, pq, ps, pw, a->activation_clamp, a->threads, py);
+    for (size_t r = 0; r < m; r++) memcpy(y + pidx[r] * H, py + r * H, sizeof(uint16_t) * (size_t)H);
+  }
+  /* Combine: FP32 sum over k in ascending order, then BF16. */
+  for (int t = 0; t < T; t++)
+    for (int c = 0; c < H; c++) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++) {
+        size_t p = (size_t)t * K + k;
+        if (a->topk_ids[p] < 0) continue;
+        acc += mm_bf16_to_float(y[p * H + c]);
+      }
+      if (a->out_f32) a->out_f32[(size_t)t * H + c] = acc;
+      a->out[(size_t)t * H + c] = mm_float_to_bf16(acc);
+    }
+done:
+  free(xq);
+  free(xs);
+  free(y);
+  free(pq);
+  free(ps);
+  free(pw);
+  free(pidx);
+  free(py);
+  return err;
+}
