@@ -232,12 +232,15 @@ typedef struct megamoe_op megamoe_op; /* opaque handle */
 #define MEGAMOE_CAP_BACKEND_CUDA 0x8u     /* built with CUDA and a usable GPU seen */
 #define MEGAMOE_CAP_NCCL 0x10u            /* built with NCCL (ep-size > 1) */
 
+#define MEGAMOE_GRAN_K_16 0x1u /* NVFP4: E4M3 scale per 16 weights */
+#define MEGAMOE_GRAN_K_32 0x2u /* MXFP4: UE8M0 scale per 32 weights */
+
 typedef struct megamoe_op_attributes_args {
   size_t struct_size;
   void *extension;
   /* out */
   uint32_t capabilities;     /* MEGAMOE_CAP_* */
-  uint32_t gran_k_mask;      /* bit g set <=> gran-k g supported (16, 32) */
+  uint32_t gran_k_mask;      /* MEGAMOE_GRAN_K_* bits supported */
   uint32_t compute_modes;    /* bit0 fp8, bit1 bf16-exact */
   int32_t num_sm_versions;   /* entries used in sm_versions */
   int32_t sm_versions[8];    /* e.g. 90 for sm_90a kernels compiled in */
@@ -380,6 +383,7 @@ typedef struct megamoe_op_info_args {
  *   execute         tensors borrowed until the work on `stream` completes.
  *   destroy         frees everything the op owns; waits for its device work.
  *   get_info        strings point into the op.
+ *   validate_config like create's checks, no op; thread-safe.
  */
 typedef struct megamoe_op_api {
   size_t struct_size;
@@ -393,8 +397,11 @@ typedef struct megamoe_op_api {
   megamoe_error *(*execute)(megamoe_op_execute_args *args);
   megamoe_error *(*destroy)(megamoe_op_destroy_args *args);
   megamoe_error *(*get_info)(megamoe_op_info_args *args);
+  /* Parses and checks the configuration of `args` (config, overrides, rank)
+   * without creating an op or touching a device; args->op stays NULL. */
+  megamoe_error *(*validate_config)(megamoe_op_create_args *args);
 } megamoe_op_api;
-#define MEGAMOE_OP_API_STRUCT_SIZE MEGAMOE_STRUCT_SIZE(megamoe_op_api, get_info)
+#define MEGAMOE_OP_API_STRUCT_SIZE MEGAMOE_STRUCT_SIZE(megamoe_op_api, validate_config)
 
 typedef struct megamoe_op_registration {
   size_t struct_size;

@@ -27,9 +27,11 @@ typedef struct mm_backend_ops {
   const char *name; /* "cpu-reference", "cuda" */
   /* Creates backend state (device context, communicator, streams). */
   mm_err *(*init)(mm_op *op);
-  /* Takes ownership of the canonical weights of layer `layer` (num_local
-   * experts) and converts them to the backend's layout. On error the
-   * backend frees `experts`' contents it took and keeps no part of the layer. */
+  /* Takes ownership of `experts` (a malloc'd array of num_local canonical
+   * experts) in every case and converts them to the backend's layout. On
+   * success it either keeps the array in op->layers[layer].experts (the op
+   * frees it with mm_experts_free) or frees it itself; on error it has freed
+   * it and keeps no part of the layer. */
   mm_err *(*prepare_layer)(mm_op *op, int layer, mm_expert_q *experts, int num_local,
                            void *stream);
   /* Allocates all run-time buffers for max_tokens per rank; reports bytes. */
@@ -38,13 +40,21 @@ typedef struct mm_backend_ops {
   mm_err *(*execute)(mm_op *op, int layer, const mm_exec_io *io);
   /* Frees everything; called once, also after a failed init. */
   void (*destroy)(mm_op *op);
+  /* Optional: frees the backend's form of one layer (before re-prepare and
+   * at destroy); NULL if layers hold nothing backend-owned. */
+  void (*release_layer)(mm_op *op, int layer);
 } mm_backend_ops;
+
+/* Frees an array of canonical experts and their matrices (NULL is fine). */
+void mm_experts_free(mm_expert_q *experts, int n);
 
 extern const mm_backend_ops mm_backend_cpu;
 #ifdef MM_HAVE_CUDA
 extern const mm_backend_ops mm_backend_cuda;
 /* Number of usable CUDA devices (0 when the driver or a GPU is missing). */
 int mm_cuda_device_count(void);
+/* Synchronous device -> host copy on `device` (cuda_host.c). */
+mm_err *mm_cuda_copy_to_host(void *dst, const void *src, size_t bytes, int device);
 #endif
 
 /* The op's state, shared with backends. */
