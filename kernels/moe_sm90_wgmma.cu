@@ -31,45 +31,46 @@
 namespace {
 
 constexpr int kThreads = 384;
-constexpr int kBN = 64;        /* tokens per work unit (WGMMA N) */
 constexpr int kRowsCta = 256;  /* weight rows per work unit */
 constexpr int kMaxExperts = 256;
 constexpr int kSmemLimit = 232448;
 
-template <int MODE>
+template <int MODE, int BN>
 struct Cfg {
   static constexpr bool kF16 = MODE == 2;
   static constexpr int kRec = MODE == 1 ? 4480 : MODE == 2 ? 4608 : 4736;
   static constexpr int kG = MODE == 1 ? 4 : 8;
   static constexpr int kRefOff = 4096 + 64 * kG;
   static constexpr int kA = 4 * kRec;            /* 4 records per stage */
-  static constexpr int kB = kF16 ? 16384 : 8192; /* 64 tokens x 128 K */
+  static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
+  static constexpr int kB = kF16 ? 2 * kSlab : kSlab;
   /* token scales: TMA wants a 16-byte aligned inner start, so the box is
-   * 68 floats from tok0 & ~3 (272 bytes) in a 384-byte slot */
-  static constexpr int kS = 384;
-  static constexpr int kSBox = 272;
+   * BN + 4 floats from tok0 & ~3, in a 128-aligned slot */
+  static constexpr int kSBoxN = BN + 4;
+  static constexpr int kSBox = 4 * kSBoxN;
+  static constexpr int kS = (kSBox + 127) / 128 * 128;
   static constexpr int kStage = kA + kB + kS;
 };
 
-template <int MODE, int GEMM>
+template <int MODE, int GEMM, int BN>
 struct Smem {
-  using C = Cfg<MODE>;
-  static constexpr int kStaging = GEMM == 1 ? 64 * 128 * (C::kF16 ? 2 : 1) : 64 * 256 * 2;
+  using C = Cfg<MODE, BN>;
+  static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
-                                2 * 4 * 64 * 4 /* amax */ + kStaging +
+                                2 * 4 * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
-  static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
+  static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
   /* offsets from the 1024-aligned base */
   static constexpr int kOffB = 0;
   static constexpr int kOffA = kStages * C::kB;
   static constexpr int kOffS = kOffA + kStages * C::kA;
   static constexpr int kOffLut = kOffS + kStages * C::kS;
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
-  static constexpr int kOffStg = kOffRed + 2 * 4 * 64 * 4;
+  static constexpr int kOffStg = kOffRed + 2 * 4 * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
   static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
-  static constexpr int kBytes = kOffBar + 16 * 8 + 1024;
+  static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
   static_assert(kStages >= 3, "too few pipeline stages");
   static_assert(kBytes <= kSmemLimit, "shared memory budget");
 };
@@ -144,9 +145,10 @@ template <int N>
 __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-__device__ __forceinline__ void fence_acc(float (&d)[32]) {
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 /* K-major, 128B-swizzled B tile: 8-row atoms 1024 bytes apart. */
 __device__ __forceinline__ uint64_t desc_b(uint32_t saddr) {
@@ -192,8 +194,39 @@ __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
 
-__device__ __forceinline__ void mma_fp8(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint64_t desc, int scale_d) {
+/* mma<FP8, N>: one m64nNk32 (FP8 E4M3) or m64nNk16 (F16) WGMMA, A from
+ * registers, B from a shared-memory descriptor, D += A*B (D = A*B when
+ * scale_d is 0). */
+template <int FP8, int N>
+__device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint64_t desc, int scale_d);
+template <>
+__device__ __forceinline__ void mma<1, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<1, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<1, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
@@ -203,8 +236,33 @@ __device__ __forceinline__ void mma_fp8(float (&d)[32], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
 }
 
-__device__ __forceinline__ void mma_f16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                       uint32_t a3, uint64_t desc, int scale_d) {
+template <>
+__device__ __forceinline__ void mma<0, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<0, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<0, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
@@ -214,12 +272,14 @@ __device__ __forceinline__ void mma_f16(float (&d)[32], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
 }
 
+
 /* ------------------------------------------------------------- kernel ---- */
 
 /* Walks this CTA's work units: returns false when done. */
 struct Unit {
   int e, rb, nt, tok0, valid;
 };
+template <int kBN>
 __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int u,
                                           int *e, Unit *out) {
   if (u >= sched[E]) return false;
@@ -234,12 +294,14 @@ __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, 
   return true;
 }
 
-template <int MODE, int GEMM>
+template <int MODE, int GEMM, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
               const __grid_constant__ CUtensorMap tmS) {
-  using C = Cfg<MODE>;
-  using S = Smem<MODE, GEMM>;
+  using C = Cfg<MODE, BN>;
+  using S = Smem<MODE, GEMM, BN>;
+  constexpr int kBN = BN;
+  constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
   extern __shared__ uint8_t smem_raw[];
   /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -276,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int stage = 0, e = 0;
       uint32_t phase = 0;
       Unit un;
-      for (int u = blockIdx.x; next_unit(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
+      for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
         const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
                               (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
         for (int kb = 0; kb < KB; kb++) {
@@ -289,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                      &full[stage]);
           uint8_t *dB = sm + S::kOffB + stage * C::kB;
           tma_2d(dB, &tmB, kb * 128, un.tok0, &full[stage]);
-          if (C::kF16) tma_2d(dB + 8192, &tmB, kb * 128 + 64, un.tok0, &full[stage]);
+          if (C::kF16) tma_2d(dB + C::kSlab, &tmB, kb * 128 + 64, un.tok0, &full[stage]);
           tma_2d(sm + S::kOffS + stage * C::kS, &tmS, un.tok0 & ~3, kb, &full[stage]);
           if (++stage == S::kStages) {
             stage = 0;
@@ -309,22 +371,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
   int stage = 0, e = 0;
   uint32_t phase = 0;
-  float fin[2][32], acc[2][32];
+  float fin[2][NR], acc[2][NR];
   Unit un;
-  for (int u = blockIdx.x; next_unit(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
+  for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
-      for (int i = 0; i < 32; i++) fin[j][i] = 0.0f;
+      for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
 
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
       const uint8_t *sA = sm + S::kOffA + stage * C::kA + (2 * c) * C::kRec;
       const uint32_t bB = smem_u32(sm + S::kOffB + stage * C::kB);
       const float *sS = (const float *)(sm + S::kOffS + stage * C::kS) + (un.tok0 & 3);
-      float sx[16];
+      float sx[BN / 4];
 #pragma unroll
-      for (int k = 0; k < 16; k++) {
+      for (int k = 0; k < BN / 4; k++) {
         const float v = sS[8 * (k >> 1) + 2 * q + (k & 1)];
         sx[k] = MODE == 2 ? v * 16384.0f : v;
       }
@@ -389,14 +451,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int ss = 0; ss < 2; ss++) {
               const int s = 2 * ch + ss;
-              const uint64_t d = desc_b(bB + (s >> 2) * 8192 + (s & 3) * 32);
-              mma_f16(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
-                      a[buf][j][ss][3], d, ch + ss > 0);
+              const uint64_t d = desc_b(bB + (s >> 2) * C::kSlab + (s & 3) * 32);
+              mma<0, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
+                         a[buf][j][ss][3], d, ch + ss > 0);
             }
           } else {
             const uint64_t d = desc_b(bB + ch * 32);
-            mma_fp8(acc[j], a[buf][j][0][0], a[buf][j][0][1], a[buf][j][0][2], a[buf][j][0][3],
-                    d, ch > 0);
+            mma<1, BN>(acc[j], a[buf][j][0][0], a[buf][j][0][1], a[buf][j][0][2],
+                       a[buf][j][0][3], d, ch > 0);
           }
         }
         wg_commit();
@@ -412,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 2; j++)
 #pragma unroll
-        for (int i = 0; i < 32; i++)
+        for (int i = 0; i < NR; i++)
           fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
     }
 
@@ -421,9 +483,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int ct = c * 128 + tid;
     if (GEMM == 1) {
       const int I = p.rows / 2;
-      float rwv[16], av[2][16], amx[16];
+      constexpr int NC = BN / 4; /* columns per thread */
+      float rwv[NC], av[2][NC], amx[NC];
 #pragma unroll
-      for (int k = 0; k < 16; k++) {
+      for (int k = 0; k < NC; k++) {
         const int col = 8 * (k >> 1) + 2 * q + (k & 1);
         rwv[k] = col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
         amx[k] = 0.0f;
@@ -434,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float rsg = p.rs[(size_t)un.e * p.rows + rowg];
         const float rsu = p.rs[(size_t)un.e * p.rows + rowg + 8];
 #pragma unroll
-        for (int k = 0; k < 16; k++) {
+        for (int k = 0; k < NC; k++) {
           const int i = 4 * (k >> 1) + (k & 1);
           float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
           if (p.clamp > 0.0f) {
@@ -447,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 #pragma unroll
-      for (int k = 0; k < 16; k++) {
+      for (int k = 0; k < NC; k++) {
         amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 4));
         amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 8));
         amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 16));
@@ -455,14 +518,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       float *red = (float *)(sm + S::kOffRed);
       if (g == 0)
 #pragma unroll
-        for (int k = 0; k < 16; k++) red[(c * 4 + w) * 64 + 8 * (k >> 1) + 2 * q + (k & 1)] = amx[k];
+        for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + 8 * (k >> 1) + 2 * q + (k & 1)] = amx[k];
       named_sync(1, 256);
 #pragma unroll
-      for (int k = 0; k < 16; k++) {
+      for (int k = 0; k < NC; k++) {
         const int col = 8 * (k >> 1) + 2 * q + (k & 1);
         float m = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 8; x++) m = fmaxf(m, red[x * 64 + col]);
+        for (int x = 0; x < 8; x++) m = fmaxf(m, red[x * BN + col]);
         m = fmaxf(m, 1e-4f);
         const float inv = 448.0f / m;
 #pragma unroll
@@ -481,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_sync(1, 256);
       constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
       const size_t esz = C::kF16 ? 2 : 1;
-      for (int idx = ct; idx < 64 * kChunks; idx += 256) {
+      for (int idx = ct; idx < BN * kChunks; idx += 256) {
         const int row = idx / kChunks, ck = idx % kChunks;
         if (row < un.valid)
           *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
@@ -498,14 +561,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int nl = 128 * c + 64 * j + r0 + 8 * h;
           const float rsv = p.rs[(size_t)un.e * p.rows + un.rb * 256 + nl];
 #pragma unroll
-          for (int k = 0; k < 16; k++) {
+          for (int k = 0; k < BN / 4; k++) {
             const int i = 4 * (k >> 1) + 2 * h + (k & 1);
             const int col = 8 * (k >> 1) + 2 * q + (k & 1);
             stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
           }
         }
       named_sync(1, 256);
-      for (int idx = ct; idx < 64 * 32; idx += 256) {
+      for (int idx = ct; idx < BN * 32; idx += 256) {
         const int row = idx >> 5, ck = idx & 31;
         if (row < un.valid)
           *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + ck * 8) =
@@ -585,38 +648,39 @@ int sm_count() {
   return n;
 }
 
-template <int MODE, int GEMM>
+template <int MODE, int GEMM, int BN>
 mm_err *launch(const Params &p, const CUtensorMap &b, const CUtensorMap &s, cudaStream_t st) {
-  using S = Smem<MODE, GEMM>;
+  using S = Smem<MODE, GEMM, BN>;
   static bool attr = false;
   if (!attr) {
-    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM>,
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BN>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     attr = true;
   }
-  wg_kernel<MODE, GEMM><<<sm_count(), kThreads, S::kBytes, st>>>(p, b, s);
+  wg_kernel<MODE, GEMM, BN><<<sm_count(), kThreads, S::kBytes, st>>>(p, b, s);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }
 
-template <int MODE>
+template <int MODE, int BN>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, cudaStream_t st) {
   const bool f16 = MODE == 2;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
+  const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const uint32_t box0 = f16 ? 64 : 128, sbox = BN + 4;
+  CUtensorMap b1, s1, b2, s2;
+  if (f16) MM_TRY(make_map(&b1, dt, ws->x16, H, Mp, 2ull * H, box0, BN, true));
+  else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, BN, true));
+  MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, sbox, 1,
+                  false));
+  MM_TRY(make_map(&b2, dt, ws->act, I, Mp, (f16 ? 2ull : 1ull) * I, box0, BN, true));
+  MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, sbox, 1,
+                  false));
+  /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16><<<2 * sm_count(), 256, 0, st>>>(pool->x, pool->x_scale, pool->expert_offsets,
                                                    L->E, H, Mp, ws->xs_t, ws->x16);
   MM_CUDA_TRY(cudaGetLastError());
-  const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  const uint32_t box0 = f16 ? 64 : 128;
-  CUtensorMap b1, s1, b2, s2;
-  if (f16) MM_TRY(make_map(&b1, dt, ws->x16, H, Mp, 2ull * H, box0, 64, true));
-  else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, 64, true));
-  MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, 68, 1,
-                  false));
-  MM_TRY(make_map(&b2, dt, ws->act, I, Mp, (f16 ? 2ull : 1ull) * I, box0, 64, true));
-  MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, 68, 1,
-                  false));
   Params p;
   memset(&p, 0, sizeof(p));
   p.w = L->d_w;
@@ -640,13 +704,13 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1>(p, b1, s1, st)));
+  MM_TRY((launch<MODE, 1, BN>(p, b1, s1, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2>(p, b2, s2, st)));
+  MM_TRY((launch<MODE, 2, BN>(p, b2, s2, st)));
   return NULL;
 }
 
@@ -655,16 +719,26 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
   if (L->H % kRowsCta) return "hidden size must be a multiple of 256";
   if (L->E > kMaxExperts) return "more than 256 local experts";
-  if ((size_t)L->rec != (L->mode == 1 ? Cfg<1>::kRec : L->mode == 2 ? Cfg<2>::kRec : Cfg<3>::kRec))
+  if ((size_t)L->rec != (L->mode == 1 ? Cfg<1, 64>::kRec : L->mode == 2 ? Cfg<2, 64>::kRec : Cfg<3, 64>::kRec))
     return "record size mismatch";
   return NULL;
 }
 
 mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                           const mm_sm90_ws *ws, cudaStream_t stream) {
+  /* Token tile from the average rows per expert (the counts live on the
+   * device): small tiles in the decode regime waste no MMA and promotion
+   * work; skewed experts just get more tiles. */
+  const int avg = (pool->num_rows_max + L->E - 1) / L->E;
+  const int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+#define MM_RUN_BN(m)                                                     \
+  return bn == 16 ? run_mode<m, 16>(L, pool, clamp, ws, stream)          \
+         : bn == 32 ? run_mode<m, 32>(L, pool, clamp, ws, stream)        \
+                    : run_mode<m, 64>(L, pool, clamp, ws, stream)
   switch (L->mode) {
-    case MM_WMODE_G32_FP8: return run_mode<1>(L, pool, clamp, ws, stream);
-    case MM_WMODE_G16_BF16_EXACT: return run_mode<2>(L, pool, clamp, ws, stream);
-    default: return run_mode<3>(L, pool, clamp, ws, stream);
+    case MM_WMODE_G32_FP8: MM_RUN_BN(1);
+    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
+    default: MM_RUN_BN(3);
   }
+#undef MM_RUN_BN
 }

@@ -140,7 +140,9 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     CUDA_OK(cudaMemcpy(d_xs, xs, sizeof(float) * (size_t)M * KB, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
     mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out};
-    const double tol = mode == MM_WMODE_G16_FP8 ? 2.0 * mm_sm90_layer_fold_error(L) + 2e-3 : 1e-3;
+    /* mode 3: the weight fold error (E4M3 rounding) passes through both
+     * GEMMs and the requant: bound 4x the measured weight error. */
+    const double tol_m3 = 4.0 * mm_sm90_layer_fold_error(L);
     for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_WGMMA; path++) {
       CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H)); /* NaN */
       CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
@@ -154,6 +156,16 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK_OK(err);
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+      /* Mode 1 on QGMMA: the FP8 tensor cores accumulate with about 14 bits
+       * (DeepSeek-V3 sec. 3.3) between the FP32 promotions every 128 K; the
+       * L1 outputs then differ from the float64 reference by ~1e-4 and the
+       * FP8 requant of the intermediate turns a few of those into one-ulp FP8
+       * flips (2^-4 each): ~1e-3 at the output, as for DeepGEMM. The CUDA-core
+       * path and mode 2 (F16 MMAs, exact products, FP32 accumulation) are held
+       * to 1e-3. */
+      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3
+                         : (mode == MM_WMODE_G32_FP8 && path == MM_SM90_PATH_WGMMA) ? 4e-3
+                                                                                    : 1e-3;
       int nan_rows;
       double rel = rel_frob(got, ref, Mused, H, &nan_rows);
       printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: rel %.3e (tol %.1e) nan rows %d\n",
