@@ -83,6 +83,12 @@ mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *layer);
 mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
                                     mm_weight_mode mode, uint64_t seed, void *stream,
                                     mm_sm90_layer **out);
+/* Tests: copies the intermediate of the last compute that used `workspace`
+ * (rows [0, rows)) to the host as FP8 E4M3 bytes [rows, I] and FP32 scales
+ * [rows, I/128]. Synchronous. */
+mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
+                                   const void *workspace, int rows, uint8_t *act, float *scales);
+
 /* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), uniform floats, and
  * a streaming read of `bytes` (for the HBM read ceiling). Asynchronous. */
 mm_err *mm_sm90_bench_fill_fp8(uint8_t *p, size_t n, uint64_t seed, void *stream);

@@ -198,6 +198,38 @@ extern "C" mm_err *mm_sm90_expert_compute(const mm_sm90_layer *L, const mm_exper
                                      MM_SM90_PATH_AUTO);
 }
 
+extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_rows_max,
+                                              const void *workspace, int rows, uint8_t *act,
+                                              float *scales) {
+  mm_sm90_ws w = mm_sm90_ws_carve(L, num_rows_max, (void *)workspace);
+  MM_ARG_CHECK(rows >= 0 && rows <= num_rows_max, "debug intermediate: %d rows of %d", rows,
+               num_rows_max);
+  const int I = L->I, KB = I / 128;
+  const int m2 = L->mode == MM_WMODE_G16_BF16_EXACT;
+  const size_t n = (size_t)rows * I;
+  uint16_t *h = m2 ? (uint16_t *)malloc(2 * n + 2) : NULL;
+  float *st = (float *)malloc(sizeof(float) * ((size_t)KB * w.Mp + 1));
+  if ((m2 && !h) || !st) {
+    free(h);
+    free(st);
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "debug intermediate: out of host memory");
+  }
+  cudaError_t ce = m2 ? cudaMemcpy(h, w.act, 2 * n, cudaMemcpyDeviceToHost)
+                      : cudaMemcpy(act, w.act, n, cudaMemcpyDeviceToHost);
+  if (ce == cudaSuccess)
+    ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
+  if (ce == cudaSuccess) {
+    for (size_t i = 0; m2 && i < n; i++) act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(h[i])));
+    for (int r = 0; r < rows; r++)
+      for (int b = 0; b < KB; b++) scales[(size_t)r * KB + b] = st[(size_t)b * w.Mp + r];
+  }
+  free(h);
+  free(st);
+  if (ce != cudaSuccess)
+    return mm_error(MEGAMOE_CODE_INTERNAL, "debug intermediate: %s", cudaGetErrorString(ce));
+  return NULL;
+}
+
 /* ------------------------------------------------------- CUDA-core path ---- */
 
 __device__ __forceinline__ float e4m3_to_f32(uint8_t b) {

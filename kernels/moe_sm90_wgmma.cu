@@ -160,13 +160,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
-/* 4 FP8 bytes from the low (hi = 0) or high 4 codes of a word (layout_sm90.h). */
-__device__ __forceinline__ uint32_t dec_lo(uint32_t w, uint2 lut) {
-  return prmt(lut.x, lut.y, w & 0x7777u) | (w & 0x80808080u);
-}
-__device__ __forceinline__ uint32_t dec_hi(uint32_t w, uint2 lut) {
-  return prmt(lut.x, lut.y, (w >> 16) & 0x7777u) | ((w << 4) & 0x80808080u);
-}
 /* F16 pairs (value * 2^-14) of the word's nibble pairs (o, o + 4). */
 __device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
   switch (o) {
@@ -432,15 +425,17 @@ __global__ void __launch_bounds__(kThreads, 1)
             } else {
               const uint32_t word = wd[j][2 * ch + rr];
               uint2 llo, lhi;
+              /* byte extract with one prmt (zero-filled from the 0 operand) */
               if (MODE == 1) {
-                llo = lhi = lut[(sb1[j][rr] >> (8 * ch)) & 0xFF];
+                llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
               } else {
                 const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
-                llo = lut[(v >> (16 * (ch & 1))) & 0xFF];
-                lhi = lut[(v >> (16 * (ch & 1) + 8)) & 0xFF];
+                llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+                lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
               }
-              a[buf][j][0][rr] = dec_lo(word, llo);
-              a[buf][j][0][rr + 2] = dec_hi(word, lhi);
+              const uint32_t sel = word & 0x77777777u;
+              a[buf][j][0][rr] = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
+              a[buf][j][0][rr + 2] = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
             }
           }
         }

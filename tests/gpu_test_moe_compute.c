@@ -89,6 +89,65 @@ static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, 
   return r2 > 0 ? sqrt(e2 / r2) : (e2 > 0 ? 1.0 : 0.0);
 }
 
+/* The reference intermediate of ref_moe.h for one expert's rows: FP8 codes
+ * [m, I] and scales [m, I/128] (same formulas, float64 dots). */
+static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, const float *xs,
+                             const float *rw, float clamp, uint8_t *aq, float *as) {
+  const int H = e->w13.cols, I = e->w2.cols, KB = H / 128;
+  double *x = malloc(sizeof(double) * H);
+  float *a = malloc(sizeof(float) * I), *wg = malloc(sizeof(float) * H), *wu = malloc(sizeof(float) * H);
+  for (int i = 0; i < m; i++) {
+    for (int k = 0; k < H; k++)
+      x[k] = (double)mm_e4m3_to_float(xq[(size_t)i * H + k]) * xs[(size_t)i * KB + k / 128];
+    for (int c = 0; c < I; c++) {
+      double g = 0, u = 0;
+      for (int k = 0; k < H; k++) {
+        g += x[k] * (double)mm_qmat_weight(&e->w13, c, k);
+        u += x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+      }
+      float gf = mm_round_bf16((float)(g * e->w13.row_scale[c]));
+      float uf = mm_round_bf16((float)(u * e->w13.row_scale[I + c]));
+      if (clamp > 0) {
+        gf = fminf(gf, clamp);
+        uf = fminf(fmaxf(uf, -clamp), clamp);
+      }
+      a[c] = mm_swiglu_weighted(gf, uf, rw[i]);
+    }
+    for (int b = 0; b < I / 128; b++)
+      mm_quant_fp8_block(a + b * 128, 128, aq + (size_t)i * I + b * 128, as + (size_t)i * (I / 128) + b);
+  }
+  free(x);
+  free(a);
+  free(wg);
+  free(wu);
+}
+
+/* Intermediate check: every FP8 code within one step of the reference (a
+ * rounding flip), few flips, scales within 1e-3. */
+static void check_intermediate(const uint8_t *gq, const float *gs, const uint8_t *rq,
+                               const float *rs, int rows, int I, const char *what) {
+  size_t flips = 0, far = 0, n = (size_t)rows * I;
+  double smax = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (gq[i] == rq[i]) continue;
+    float a = mm_e4m3_to_float(gq[i]), b = mm_e4m3_to_float(rq[i]);
+    /* adjacent codes of the same sign (or +-0 / smallest subnormal) */
+    int adj = (abs((int)(gq[i] & 0x7F) - (int)(rq[i] & 0x7F)) == 1 && ((gq[i] ^ rq[i]) & 0x80) == 0) ||
+              (fabsf(a) <= 0.001953125f && fabsf(b) <= 0.001953125f);
+    if (adj) flips++;
+    else far++;
+  }
+  for (size_t i = 0; i < (size_t)rows * (I / 128); i++) {
+    double d = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
+    if (d > smax) smax = d;
+  }
+  printf("#   %s intermediate: %zu of %zu FP8 codes one step off, %zu further; scale max rel %.2e\n",
+         what, flips, n, far, smax);
+  CHECK(far == 0);
+  CHECK(flips <= n / 50 + 2);
+  CHECK(smax <= 1e-3);
+}
+
 static int g_have_wgmma_fail = 0;
 
 static void run_case(mm_weight_mode mode, const shape *s) {
@@ -122,6 +181,14 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     mm_ref_expert_rows(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
                        rw + offs[e], s->clamp, ref + (size_t)offs[e] * H);
 
+  uint8_t *rq = malloc((size_t)M * I + 1), *gq = malloc((size_t)M * I + 1);
+  float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
+        *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
+  if (mode != MM_WMODE_G16_FP8) /* mode 3 computes with folded weights */
+    for (int e = 0; e < E; e++)
+      ref_intermediate(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
+                       rw + offs[e], s->clamp, rq + (size_t)offs[e] * I,
+                       rsc + (size_t)offs[e] * (I / 128));
   mm_sm90_layer *L = NULL;
   mm_err *err = mm_sm90_layer_create(ex, E, mode, NULL, &L);
   CHECK_OK(err);
@@ -174,6 +241,10 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK(nan_rows == 0);
       CHECK(rel <= tol);
       for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
+      if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
+        CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
+        check_intermediate(gq, gsc, rq, rsc, Mused, I, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma");
+      }
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
     cudaFree(d_off);
@@ -195,6 +266,10 @@ done:
   free(rw);
   free(ref);
   free(got);
+  free(rq);
+  free(gq);
+  free(rsc);
+  free(gsc);
 }
 
 static const int k_counts_a[] = {5, 0, 70};
