@@ -88,7 +88,6 @@ struct Params {
   uint8_t *act;          /* L1 out: [Mp][I] FP8 or F16 */
   float *as_t;           /* L1 out: [I/128][Mp] */
   uint16_t *out;         /* L2 out: [M][H] BF16 */
-  int dbg;               /* debug knobs (MEGAMOE_SM90_DEBUG), none defined now */
 };
 
 /* ------------------------------------------------------------ PTX bits ---- */
@@ -690,10 +689,6 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.act = ws->act;
   p.as_t = ws->as_t;
   p.out = pool->out;
-  {
-    const char *d = getenv("MEGAMOE_SM90_DEBUG");
-    p.dbg = d ? atoi(d) : 0;
-  }
   /* L1 */
   p.mat_off = 0;
   p.rs = L->d_rs13;
