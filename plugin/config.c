@@ -171,27 +171,31 @@ static int is_section(const char *name) {
 
 /* ---- suggestions ---------------------------------------------------------- */
 
-/* Optimal string alignment distance (a transposition costs 1). Inputs are
- * short (keys are capped), so the O(n*m) table is fine. */
+/* Optimal string alignment distance (a transposition costs 1), with three
+ * rolling rows; inputs are capped at MM_CONFIG_MAX_KEY bytes. */
 static int osa_distance(const char *a, const char *b) {
   size_t n = strlen(a), m = strlen(b);
   if (n > MM_CONFIG_MAX_KEY || m > MM_CONFIG_MAX_KEY) return INT_MAX;
-  int d[MM_CONFIG_MAX_KEY + 1][MM_CONFIG_MAX_KEY + 1];
-  for (size_t i = 0; i <= n; i++) d[i][0] = (int)i;
-  for (size_t j = 0; j <= m; j++) d[0][j] = (int)j;
+  int rows[3][MM_CONFIG_MAX_KEY + 1];
+  int *pp = rows[0], *prev = rows[1], *cur = rows[2];
+  for (size_t j = 0; j <= m; j++) prev[j] = (int)j;
   for (size_t i = 1; i <= n; i++) {
+    cur[0] = (int)i;
     for (size_t j = 1; j <= m; j++) {
       int cost = a[i - 1] != b[j - 1];
-      int v = d[i - 1][j] + 1;
-      if (d[i][j - 1] + 1 < v) v = d[i][j - 1] + 1;
-      if (d[i - 1][j - 1] + cost < v) v = d[i - 1][j - 1] + cost;
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
-          d[i - 2][j - 2] + 1 < v)
-        v = d[i - 2][j - 2] + 1;
-      d[i][j] = v;
+      int v = prev[j] + 1;
+      if (cur[j - 1] + 1 < v) v = cur[j - 1] + 1;
+      if (prev[j - 1] + cost < v) v = prev[j - 1] + cost;
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && pp[j - 2] + 1 < v)
+        v = pp[j - 2] + 1;
+      cur[j] = v;
     }
+    int *t = pp;
+    pp = prev;
+    prev = cur;
+    cur = t;
   }
-  return d[n][m];
+  return prev[m];
 }
 
 static const char *leaf(const char *name) {
@@ -201,7 +205,7 @@ static const char *leaf(const char *name) {
 
 /* The known key (or section) nearest to `key`, or NULL if none is close. A
  * right leaf in the wrong place ("hidden-size" for "model.hidden-size")
- * counts as one edit. */
+ * counts as one edit; a truncated name ("num-max-tokens") is close too. */
 static const char *suggest_key(const char *key) {
   static const char *const sections[] = {"requant", "compute", "model", "dispatch",
                                          "cpu", "comm"};
@@ -217,6 +221,7 @@ static const char *suggest_key(const char *key) {
     int d3 = osa_distance(key, leaf(c));
     if (d2 != INT_MAX && d2 + 1 < d) d = d2 + 1;
     if (d3 != INT_MAX && d3 + 1 < d) d = d3 + 1;
+    if (len >= 4 && !strncmp(c, key, len) && limit < d) d = limit; /* a truncated name */
     if (d < best_d) best_d = d, best = c;
   }
   return best_d <= limit ? best : NULL;
@@ -997,7 +1002,8 @@ mm_err *mm_config_load(const char *path, const char *text, size_t len, const cha
   mm_config *cfg = &s->merged.cfg;
   snprintf(cfg->source_name, sizeof cfg->source_name, "%s",
            path ? path : (name && *name ? name : "<text>"));
-  const char *src = cfg->source_name;
+  /* Messages use the full name; source_name may be truncated. */
+  const char *src = path ? path : (name && *name ? name : "<text>");
 
   unsigned char *owned = NULL;
   const unsigned char *data;

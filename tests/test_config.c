@@ -331,6 +331,11 @@ static const bad_case bad_cases[] = {
     {"ep-size: 1\nfoo: 1", 2, 1, "unknown key 'foo'"},
     {"model:\n  ep-size: 2\n", 2, 3, "unknown key 'model.ep-size'; did you mean 'ep-size'?"},
     {"compute-mode: fp8", 1, 1, "did you mean 'compute.mode'?"},
+    {"ep-szie: 2", 1, 1, "unknown key 'ep-szie'; did you mean 'ep-size'?"},
+    {"model:\n  topk: 8\n", 2, 3, "did you mean 'model.top-k'?"},
+    {"log_level: info", 1, 1, "did you mean 'log-level'?"},
+    {"cpu:\n  thread: 2\n", 2, 3, "unknown key 'cpu.thread'; did you mean 'cpu.threads'?"},
+    {"num-max-tokens: 64", 1, 1, "did you mean 'num-max-tokens-per-rank'?"},
     {"model: {top-k: 8, hidden-size: 6144, bogus: 1}", 1, 38, "unknown key 'model.bogus'"},
     {"'': 1", 1, 1, "empty or malformed key"},
     /* duplicates */
