@@ -530,6 +530,8 @@ static mm_err *next_event(reader *r, yaml_event_t *ev) {
       if (ev->data.scalar.length > MM_CONFIG_MAX_SCALAR)
         err = mark_error(r, ev->start_mark, "scalar is %zu bytes long (at most %d)",
                          ev->data.scalar.length, MM_CONFIG_MAX_SCALAR);
+      else if (strlen((const char *)ev->data.scalar.value) != ev->data.scalar.length)
+        err = mark_error(r, ev->start_mark, "NUL characters (\\0) are not allowed");
       break;
     case YAML_SEQUENCE_START_EVENT:
     case YAML_MAPPING_START_EVENT:
@@ -648,8 +650,7 @@ static mm_err *parse_entry(file_ctx *fc, const char *prefix, yaml_event_t *kev) 
   if (kev->data.scalar.length > MM_CONFIG_MAX_KEY)
     return mark_error(r, km, "key is %zu bytes long (at most %d)", kev->data.scalar.length,
                       MM_CONFIG_MAX_KEY);
-  if (strlen(key) != kev->data.scalar.length || !*key)
-    return mark_error(r, km, "empty or malformed key");
+  if (!*key) return mark_error(r, km, "empty key");
   char full[2 * MM_CONFIG_MAX_KEY + 2];
   snprintf(full, sizeof full, "%s%s%s", prefix, *prefix ? "." : "", key);
   char sv[64];
@@ -806,7 +807,8 @@ static mm_err *parse_json(reader *r, layer *l) {
     } else if (is_null(scalar_text(&vev), scalar_plain(&vev))) {
       /* "num_experts": null -- as if absent */
     } else if (!l->set[k] || p < prio[k]) {
-      if (!set_value(k, label, scalar_text(&vev), 1, &l->cfg, msg, sizeof msg)) {
+      if (!set_value(k, label, scalar_text(&vev), scalar_plain(&vev), &l->cfg, msg,
+                     sizeof msg)) {
         err = mark_error(r, vev.start_mark, "%s", msg);
       } else {
         l->set[k] = 1;
@@ -831,16 +833,21 @@ static mm_err *parse_json(reader *r, layer *l) {
 
 /* ---- input ---------------------------------------------------------------- */
 
+static const char *errno_text(int e, char *buf, size_t size) {
+  return strerror_r(e, buf, size); /* GNU variant (_GNU_SOURCE) */
+}
+
 /* Reads at most MM_CONFIG_MAX_BYTES of a regular file. */
 static mm_err *read_capped(const char *path, const char *what, unsigned char **out,
                            size_t *out_len) {
+  char eb[128];
   *out = NULL;
   *out_len = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     int e = errno;
     return mm_error(e == ENOENT ? MEGAMOE_CODE_NOT_FOUND : MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "%s: cannot open %s: %s", path, what, strerror(e));
+                    "%s: cannot open %s: %s", path, what, errno_text(e, eb, sizeof eb));
   }
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -868,7 +875,7 @@ static mm_err *read_capped(const char *path, const char *what, unsigned char **o
       close(fd);
       free(buf);
       return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: cannot read %s: %s", path, what,
-                      strerror(e));
+                      errno_text(e, eb, sizeof eb));
     }
     if (got == 0) break;
     n += (size_t)got;

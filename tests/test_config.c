@@ -337,7 +337,9 @@ static const bad_case bad_cases[] = {
     {"cpu:\n  thread: 2\n", 2, 3, "unknown key 'cpu.thread'; did you mean 'cpu.threads'?"},
     {"num-max-tokens: 64", 1, 1, "did you mean 'num-max-tokens-per-rank'?"},
     {"model: {top-k: 8, hidden-size: 6144, bogus: 1}", 1, 38, "unknown key 'model.bogus'"},
-    {"'': 1", 1, 1, "empty or malformed key"},
+    {"'': 1", 1, 1, "empty key"},
+    {"\"ep-size\\0\": 1", 1, 1, "NUL characters"},
+    {"ep-size: \"4\\0x\"", 1, 10, "NUL characters"},
     /* duplicates */
     {"ep-size: 2\nep-size: 4\n", 2, 1, "duplicate key 'ep-size' (first at 1:1)"},
     {"model:\n  top-k: 4\nmodel:\n  top-k: 2\n", 3, 1, "duplicate key 'model' (first at 1:1)"},
@@ -570,7 +572,7 @@ static void test_config_json(void) {
   CHECK(c.model.config_json[0] == '\0');
   /* Other expert-count spellings, nulls ignored, values as strings. */
   write_file("mixtral.json",
-             "{\"num_local_experts\": 8, \"num_experts_per_tok\": 2, \"hidden_size\": 4096,"
+             "{\"num_local_experts\": 8, \"num_experts_per_tok\": 2, \"hidden_size\": \"4096\","
              " \"num_experts\": null}",
              0);
   write_file("megamoe.yaml", "model.config-json: mixtral.json\n", 0);
@@ -612,6 +614,7 @@ static void test_config_json_errors(void) {
       {"{\"hidden_size\": [5120]}", 1, 17, "expected a number, not a list"},
       {"{\"num_experts_per_tok\": \"eight\"}", 1, 25, "expected an integer, got 'eight'"},
       {"{\"routed_scaling_factor\": -1}", 1, 27, "out of range (0, 1e+06]"},
+      {"{\"hidden_size\": \"null\"}", 1, 17, "expected an integer, got 'null'"},
       {"{\"hidden_size\": 5120}\n{\"hidden_size\": 5120}", 2, 1, "syntax error"},
       {"{\"x\": &a [1], \"hidden_size\": 5120}", 1, 7, "anchors are not supported"},
   };
