@@ -55,7 +55,8 @@ void mm_config_defaults(mm_config *cfg);
  * NUL-terminated; `name` is used in messages, default "<text>"). Exactly one of
  * path / text. Applies overrides last, then validates cross-field rules.
  * Errors are INVALID_ARGUMENT (NOT_FOUND for a missing file) with messages
- * "FILE:LINE:COL: what is wrong" (overrides report "override KEY: ..."). */
+ * "FILE:LINE:COL: what is wrong" (overrides report "override 'KEY': ...").
+ * On error `out` is left unchanged. Reference: docs/CONFIG.md. */
 mm_err *mm_config_load(const char *path, const char *text, size_t len,
                        const char *name, const mm_config_override *overrides,
                        size_t num_overrides, mm_config *out);
