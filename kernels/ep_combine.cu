@@ -3,10 +3,12 @@
 // (FP32, ascending k, then BF16: the same order as plugin/ref_moe.c, so the
 // result does not depend on the rank count).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "ep_kernels.h"
+#include "moe_compute.h"
 
 namespace {
 
@@ -64,9 +66,40 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(mm_ep_dev d, int T, c
   }
 }
 
+// Stand-in expert (tests, bench): out[p] = BF16(dequant(x[p]) * w[p] * m(e)),
+// m(e) = 1 + (global expert id mod 16), all FP32 in that order.
+__global__ void __launch_bounds__(kThreads) identity_kernel(mm_expert_pool P, int E_loc, int first,
+                                                            int H, int64_t rows) {
+  __shared__ int off[MM_EP_MAX_EXPERTS_IDENTITY + 1];
+  for (int e = threadIdx.x; e <= E_loc; e += blockDim.x) off[e] = P.expert_offsets[e];
+  __syncthreads();
+  const int64_t n = off[E_loc] < rows ? off[E_loc] : rows;
+  for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
+    int e = 0;
+    while (e + 1 < E_loc && off[e + 1] <= p) e++;
+    const float m = (float)(1 + ((first + e) & 15));
+    const float w = P.row_weight[p];
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+      __nv_fp8_e4m3 q;
+      q.__x = P.x[p * H + c];
+      const float v = __fmul_rn(__fmul_rn(__fmul_rn((float)q, P.x_scale[p * (H / 128) + c / 128]), w), m);
+      P.out[p * H + c] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
+  }
+}
+
 inline int grid_for(int64_t rows, int64_t cap) { return (int)(rows < cap ? rows : cap); }
 
 } // namespace
+
+extern "C" int mm_ep_launch_identity_compute(const mm_expert_pool *pool, int num_local,
+                                             int first_expert, int hidden, void *stream) {
+  if (pool->num_rows_max <= 0) return 0;
+  if (num_local > MM_EP_MAX_EXPERTS_IDENTITY) return (int)cudaErrorInvalidValue;
+  identity_kernel<<<grid_for(pool->num_rows_max, 4096), kThreads, 0, (cudaStream_t)stream>>>(
+      *pool, num_local, first_expert, hidden, pool->num_rows_max);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int mm_ep_launch_gather(const mm_ep_dev *d, int64_t grid_rows, void *stream) {
   if (grid_rows <= 0) return 0;

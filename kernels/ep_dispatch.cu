@@ -252,7 +252,7 @@ __global__ void expert_offsets_kernel(mm_ep_dev d) {
 }
 
 // Received rows (grid-stride) -> pool rows of their local pairs.
-__global__ void __launch_bounds__(kCopyThreads) arrange_kernel(mm_ep_dev d, int64_t rows) {
+__global__ void __launch_bounds__(kCopyThreads, 1) arrange_kernel(mm_ep_dev d, int64_t rows) {
   __shared__ int64_t s_recv[MM_EP_MAX_RANKS + 1];
   __shared__ int64_t s_cs[MM_EP_MAX_RANKS + 1];
   __shared__ int s_n[MM_EP_MAX_RANKS];

@@ -94,6 +94,15 @@ int mm_ep_launch_gather(const mm_ep_dev *d, int64_t grid_rows, void *stream);
 int mm_ep_launch_combine(const mm_ep_dev *d, int T, const int32_t *ids, uint16_t *out,
                          void *stream);
 
+/* Stand-in expert compute for tests and the bench (no weights):
+ * out[p] = BF16(e4m3(x[p]) * x_scale * row_weight[p] * (1 + (first_expert + e) % 16)),
+ * FP32 products in that order, for the rows of the pool (struct
+ * mm_expert_pool of moe_compute.h); num_local <= MM_EP_MAX_EXPERTS_IDENTITY. */
+#define MM_EP_MAX_EXPERTS_IDENTITY 4096
+struct mm_expert_pool;
+int mm_ep_launch_identity_compute(const struct mm_expert_pool *pool, int num_local,
+                                  int first_expert, int hidden, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

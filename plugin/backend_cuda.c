@@ -184,7 +184,7 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   MM_TRY(cuda_err(cudaSetDevice(op->device), "cudaSetDevice"));
   cudaStream_t st = io->stream ? (cudaStream_t)io->stream : s->stream;
   const int mode = mm_cuda_dispatch_mode(op, io->T);
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   MM_TRY(cuda_err(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing"));
   const int capturing = cap != cudaStreamCaptureStatusNone;
   if (capturing && mode == MM_EP_MODE_NORMAL)
@@ -196,7 +196,8 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   mm_err *pending = capturing ? NULL : mm_cuda_check(op, st, 0);
   if (pending && op->state == MM_OP_FATAL) return pending;
   mm_ep_step step = {io->T, io->hidden, io->topk_ids, io->topk_weights,
-                     (float)op->cfg.model.routed_scaling_factor, (mm_ep_mode)mode, st};
+                     (float)op->cfg.model.routed_scaling_factor, (mm_ep_mode)mode, st,
+                     {NULL, NULL, NULL, NULL}};
   mm_expert_pool pool;
   void *ws = NULL;
   size_t ws_bytes = 0;

@@ -2,22 +2,14 @@
 #include "ep_comm.h"
 
 #include <cuda_runtime_api.h>
+#ifdef MM_HAVE_NCCL
 #include <nccl.h>
+#endif
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-struct mm_ep_comm {
-  ncclComm_t comm;
-  int owned;
-  int rank, ranks, device;
-  int timeout_ms;
-  int failed;
-  megamoe_code fail_code;
-  char failure[512];
-};
 
 static double now_ms(void) {
   struct timespec ts;
@@ -34,6 +26,17 @@ static void backoff(int iter) {
   struct timespec ts = {0, iter < 1024 ? 10000 : 200000};
   nanosleep(&ts, NULL);
 }
+
+#ifdef MM_HAVE_NCCL
+struct mm_ep_comm {
+  ncclComm_t comm;
+  int owned;
+  int rank, ranks, device;
+  int timeout_ms;
+  int failed;
+  megamoe_code fail_code;
+  char failure[512];
+};
 
 static mm_err *failed_error(const mm_ep_comm *c) {
   return mm_error(MEGAMOE_CODE_ABORTED, "NCCL communicator failed earlier: %s", c->failure);
@@ -259,3 +262,79 @@ mm_err *mm_ep_comm_alltoallv(mm_ep_comm *c, const void *send, const int64_t *sen
                 nccl_detail(c));
   return complete(c, e, "grouped ncclSend/ncclRecv");
 }
+
+#else /* !MM_HAVE_NCCL: one rank, plain device copies */
+
+struct mm_ep_comm {
+  int rank, ranks, timeout_ms, failed;
+  char failure[256];
+};
+
+mm_err *mm_ep_comm_create(const mm_ep_comm_args *a, mm_ep_comm **out) {
+  *out = NULL;
+  if (a->ranks != 1 || a->host_comm)
+    return mm_error(MEGAMOE_CODE_UNIMPLEMENTED,
+                    "built without NCCL: only ep-size 1 without a host communicator (ep-size %d)",
+                    a->ranks);
+  MM_ARG_CHECK(a->timeout_ms > 0, "comm.timeout-ms %d must be > 0", a->timeout_ms);
+  mm_ep_comm *c = calloc(1, sizeof *c);
+  if (!c) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "out of host memory");
+  c->ranks = 1;
+  c->timeout_ms = a->timeout_ms;
+  *out = c;
+  return NULL;
+}
+
+void mm_ep_comm_destroy(mm_ep_comm *c) { free(c); }
+int mm_ep_comm_rank(const mm_ep_comm *c) { return c->rank; }
+int mm_ep_comm_size(const mm_ep_comm *c) { return c->ranks; }
+void *mm_ep_comm_nccl(const mm_ep_comm *c) { (void)c; return NULL; }
+const char *mm_ep_comm_failure(const mm_ep_comm *c) { return c->failed ? c->failure : NULL; }
+
+mm_err *mm_ep_comm_abort(mm_ep_comm *c, megamoe_code code, const char *why) {
+  if (!c->failed) {
+    c->failed = 1;
+    snprintf(c->failure, sizeof c->failure, "%s", why);
+  }
+  return mm_error(code, "%s", c->failure);
+}
+
+mm_err *mm_ep_comm_check(mm_ep_comm *c) {
+  return c->failed ? mm_error(MEGAMOE_CODE_ABORTED, "failed earlier: %s", c->failure) : NULL;
+}
+
+mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
+  MM_TRY(mm_ep_comm_check(c));
+  double t0 = now_ms();
+  for (int iter = 0;; iter++) {
+    cudaError_t ce = cudaStreamQuery((cudaStream_t)stream);
+    if (ce == cudaSuccess) return NULL;
+    if (ce != cudaErrorNotReady)
+      return mm_ep_comm_abort(c, MEGAMOE_CODE_INTERNAL, cudaGetErrorString(ce));
+    if (now_ms() - t0 > c->timeout_ms)
+      return mm_ep_comm_abort(c, MEGAMOE_CODE_DEADLINE_EXCEEDED,
+                              "the stream did not finish within comm.timeout-ms");
+    backoff(iter);
+  }
+}
+
+mm_err *mm_ep_comm_allgather(mm_ep_comm *c, void *buf, size_t bytes, void *stream) {
+  (void)buf, (void)bytes, (void)stream;
+  return mm_ep_comm_check(c); /* one rank: its part is already in place */
+}
+
+mm_err *mm_ep_comm_alltoallv(mm_ep_comm *c, const void *send, const int64_t *send_off,
+                             const int64_t *send_bytes, void *recv, const int64_t *recv_off,
+                             const int64_t *recv_bytes, void *stream) {
+  MM_TRY(mm_ep_comm_check(c));
+  if (send_bytes[0] != recv_bytes[0])
+    return mm_error(MEGAMOE_CODE_INTERNAL, "self copy of %lld bytes into %lld",
+                    (long long)send_bytes[0], (long long)recv_bytes[0]);
+  if (send_bytes[0] <= 0) return NULL;
+  cudaError_t ce = cudaMemcpyAsync((char *)recv + recv_off[0], (const char *)send + send_off[0],
+                                   (size_t)send_bytes[0], cudaMemcpyDeviceToDevice,
+                                   (cudaStream_t)stream);
+  return ce == cudaSuccess ? NULL : mm_error(MEGAMOE_CODE_INTERNAL, "cudaMemcpyAsync: %s",
+                                             cudaGetErrorString(ce));
+}
+#endif

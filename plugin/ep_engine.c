@@ -30,8 +30,16 @@ struct mm_ep_engine {
   const int32_t *ids;
   mm_ep_mode mode;
   void *stream;
+  void *events[4];
   int64_t recv_rows, recv_pairs;
 };
+
+static mm_err *mark(void *ev, cudaStream_t st) {
+  if (!ev) return NULL;
+  cudaError_t ce = cudaEventRecord((cudaEvent_t)ev, st);
+  return ce == cudaSuccess ? NULL : mm_error(MEGAMOE_CODE_INTERNAL, "cudaEventRecord: %s",
+                                             cudaGetErrorString(ce));
+}
 
 #define CUDA_TRY(call, what)                                                              \
   do {                                                                                    \
@@ -299,6 +307,7 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   d->pair_stride = ll ? e->a.ll_tokens * e->a.top_k : 0;
   d->mode_tag = ll ? 2 | (e->a.ll_tokens << 2) : 1;
 
+  MM_TRY(mark(s->events[0], st));
   LAUNCH_TRY(mm_ep_launch_route(d, s->T, s->ids, st), "ep route");
   MM_TRY(mm_ep_comm_allgather(e->a.comm, d->counts, (size_t)L * 4, st));
   LAUNCH_TRY(mm_ep_launch_offsets(d, st), "ep offsets");
@@ -318,6 +327,7 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   LAUNCH_TRY(mm_ep_launch_recv_plan(d, st), "ep recv plan");
   LAUNCH_TRY(mm_ep_launch_expert_offsets(d, st), "ep expert offsets");
   LAUNCH_TRY(mm_ep_launch_arrange(d, e->recv_rows, st), "ep arrange");
+  MM_TRY(mark(s->events[1], st));
 
   pool->num_rows_max = (int)e->sz.pool_rows;
   pool->expert_offsets = d->expert_off_pool;
@@ -332,6 +342,7 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   e->ids = s->ids;
   e->mode = s->mode;
   e->stream = s->stream;
+  memcpy(e->events, s->events, sizeof e->events);
   return NULL;
 }
 
@@ -372,10 +383,12 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
   mm_ep_dev *d = &e->dev;
   cudaStream_t st = (cudaStream_t)e->stream;
   const int ll = e->mode == MM_EP_MODE_LOW_LATENCY;
+  MM_TRY(mark(e->events[2], st));
   LAUNCH_TRY(mm_ep_launch_gather(d, e->recv_pairs, st), "ep gather");
   MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->csend, e->cs_off, e->cs_bytes, d->crecv, e->cr_off,
                               e->cr_bytes, st));
   LAUNCH_TRY(mm_ep_launch_combine(d, e->T, e->ids, out, st), "ep combine");
+  MM_TRY(mark(e->events[3], st));
   CUDA_TRY(cudaMemcpyAsync(e->err_h, d->err, MM_EP_ERR_WORDS * 4, cudaMemcpyDeviceToHost, st),
            "copying the error words");
   if (ll) return NULL;

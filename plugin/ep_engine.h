@@ -65,6 +65,10 @@ typedef struct mm_ep_step {
   float weight_scale;       /* routed-scaling-factor */
   mm_ep_mode mode;
   void *stream;             /* cudaStream_t */
+  /* Optional cudaEvent_t recorded at: dispatch start, dispatch end (pool
+   * ready), combine start, combine end (before the error-word copy). For
+   * benchmarks; NULL entries are skipped. */
+  void *events[4];
 } mm_ep_step;
 
 /* Dispatch: on success `pool` describes this rank's pool and ws / ws_bytes
