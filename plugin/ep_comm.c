@@ -157,7 +157,11 @@ mm_err *mm_ep_comm_create(const mm_ep_comm_args *a, mm_ep_comm **out) {
   ncclUniqueId id;
   MM_TRY_GOTO(bootstrap_id(a, &id), err, fail);
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
+  /* Non-blocking, so that init and every call can be polled with the
+   * timeout; MEGAMOE_NCCL_BLOCKING=1 is an escape hatch for NCCL builds
+   * whose non-blocking mode misbehaves (init then cannot time out). */
+  const char *blocking = getenv("MEGAMOE_NCCL_BLOCKING");
+  cfg.blocking = blocking && blocking[0] == '1';
   c->owned = 1;
   ncclResult_t r = ncclCommInitRankConfig(&c->comm, a->ranks, id, a->rank, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {

@@ -21,6 +21,7 @@ struct mm_ep_engine {
   void *region_x, *region_y, *meta;
   int32_t *host_pinned; /* counts [R * L] then error words */
   int32_t *counts_h, *err_h;
+  cudaEvent_t err_copied; /* recorded after the error words' copy (not under capture) */
   uint64_t ws_offset, ws_bytes;
   int64_t *send_off, *send_bytes, *recv_off, *recv_bytes; /* [R] each, bytes */
   int64_t *cs_off, *cs_bytes, *cr_off, *cr_bytes;
@@ -186,6 +187,12 @@ mm_err *mm_ep_engine_create(const mm_ep_engine_args *a, mm_ep_engine **out) {
     err = mm_error(MEGAMOE_CODE_INTERNAL, "expert-parallel meta carve-up exceeds its size");
     goto fail;
   }
+  ce = cudaEventCreateWithFlags(&e->err_copied, cudaEventDisableTiming);
+  if (ce != cudaSuccess) {
+    e->err_copied = NULL;
+    err = mm_error(MEGAMOE_CODE_INTERNAL, "cudaEventCreate: %s", cudaGetErrorString(ce));
+    goto fail;
+  }
   MM_TRY_GOTO(reset_errors(e, 0), err, fail);
   ce = cudaMemset(d->counts, 0, (size_t)R * L * 4);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
@@ -208,6 +215,7 @@ void mm_ep_engine_destroy(mm_ep_engine *e) {
   dev_free(e, e->region_y);
   dev_free(e, e->meta);
   if (e->host_pinned) cudaFreeHost(e->host_pinned);
+  if (e->err_copied) cudaEventDestroy(e->err_copied);
   free(e->send_off);
   free(e);
 }
@@ -319,7 +327,12 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
     CUDA_TRY(cudaMemcpyAsync(e->counts_h, d->counts, (size_t)R * L * 4, cudaMemcpyDeviceToHost, st),
              "copying the count matrix");
     MM_TRY(mm_ep_comm_sync(e->a.comm, st));
-    MM_TRY(check_matrix(e));
+    mm_err *verdict = check_matrix(e);
+    if (verdict) {
+      mm_err *e2 = reset_errors(e, st); /* this step did not happen */
+      if (e2) megamoe_error_destroy(e2);
+      return verdict;
+    }
     exact_layout(e);
   }
   MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->send, e->send_off, e->send_bytes, d->recv, e->recv_off,
@@ -391,6 +404,10 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
   MM_TRY(mark(e->events[3], st));
   CUDA_TRY(cudaMemcpyAsync(e->err_h, d->err, MM_EP_ERR_WORDS * 4, cudaMemcpyDeviceToHost, st),
            "copying the error words");
+  enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDA_TRY(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing");
+  if (cap == cudaStreamCaptureStatusNone)
+    CUDA_TRY(cudaEventRecord(e->err_copied, st), "cudaEventRecord");
   if (ll) return NULL;
   MM_TRY(mm_ep_comm_sync(e->a.comm, st));
   mm_err *err = error_from_words(e, 0);
@@ -402,7 +419,12 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
 }
 
 mm_err *mm_ep_take_error(mm_ep_engine *e, void *stream, int wait) {
-  if (wait) MM_TRY(mm_ep_comm_sync(e->a.comm, stream));
+  if (wait) {
+    MM_TRY(mm_ep_comm_sync(e->a.comm, stream));
+  } else if (cudaEventQuery(e->err_copied) != cudaSuccess) {
+    cudaGetLastError();
+    return NULL; /* the last step's words are still on their way */
+  }
   volatile int32_t *w = e->err_h;
   if (!w[0]) return NULL;
   mm_err *err = error_from_words(e, 1);

@@ -136,7 +136,7 @@ static void rig_upload(rig *g, int T) {
   CUDA_OK(cudaMemcpy(g->d_x, g->x, (size_t)T * g->H * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(g->d_ids, g->ids, (size_t)T * g->K * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(g->d_w, g->w, (size_t)T * g->K * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(g->d_out, 0xFF, (size_t)g->max_tokens * g->H * 2)); /* poison */
+  CUDA_OK(cudaMemsetAsync(g->d_out, 0xFF, (size_t)g->max_tokens * g->H * 2, g->st)); /* poison */
 }
 
 /* Downloads out and compares it bitwise to the CPU expectation. */
@@ -345,7 +345,7 @@ static int io_upload(dev_io *io, const uint16_t *x, const int32_t *ids, const fl
   return cudaMemcpy(io->d_x, x, T * io->H * 2, cudaMemcpyHostToDevice) ||
          cudaMemcpy(io->d_ids, ids, T * io->K * 4, cudaMemcpyHostToDevice) ||
          cudaMemcpy(io->d_w, w, T * io->K * 4, cudaMemcpyHostToDevice) ||
-         cudaMemset(io->d_out, 0xFF, T * io->H * 2);
+         cudaMemset(io->d_out, 0xFF, T * io->H * 2) || cudaDeviceSynchronize();
 }
 
 static mm_err *op_run(mm_op *op, dev_io *io, void *stream) {
@@ -411,6 +411,7 @@ static void test_backend_vs_reference(void) {
         /* run to run: the same bits */
         memcpy(first, got, (size_t)T * s->H * 2);
         CHECK(cudaMemset(io.d_out, 0xFF, (size_t)T * s->H * 2) == 0);
+        CHECK(cudaDeviceSynchronize() == cudaSuccess);
         CHECK_OK(op_run(op, &io, NULL));
         CHECK(cudaDeviceSynchronize() == cudaSuccess);
         CHECK(cudaMemcpy(got, io.d_out, (size_t)T * s->H * 2, cudaMemcpyDeviceToHost) == 0);
@@ -455,7 +456,7 @@ static void test_backend_graph_replay(void) {
   CHECK_OK(err);
   dev_io io;
   cudaStream_t st = NULL;
-  if (err || io_alloc(&io, T, s->H, s->K) || cudaStreamCreate(&st)) {
+  if (err || io_alloc(&io, T, s->H, s->K) || cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking)) {
     CHECK(0);
     free_op(op);
     mm_experts_free(ex, s->E);
@@ -498,7 +499,7 @@ static void test_backend_graph_replay(void) {
     CHECK(cudaGraphLaunch(exec, st) == cudaSuccess);
     CHECK(cudaStreamSynchronize(st) == cudaSuccess);
     CHECK(cudaMemcpy(replay, io.d_out, n * 2, cudaMemcpyDeviceToHost) == 0);
-    CHECK(cudaMemset(io.d_out, 0xFF, n * 2) == 0);
+    CHECK(cudaMemsetAsync(io.d_out, 0xFF, n * 2, st) == 0);
     CHECK_OK(op_run(op, &io, st));
     CHECK(cudaStreamSynchronize(st) == cudaSuccess);
     CHECK(cudaMemcpy(eager, io.d_out, n * 2, cudaMemcpyDeviceToHost) == 0);
@@ -604,9 +605,12 @@ int main(void) {
   if (mm_cuda_device_count() <= 0) return mm_test_skip_all("no GPU");
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   mm_test_seed();
+  /* MEGAMOE_EP_TEST_ONLY=engine: the engine tests only (for compute-sanitizer). */
+  const char *only = getenv("MEGAMOE_EP_TEST_ONLY");
   RUN(test_engine_both_modes);
   RUN(test_engine_edges);
   RUN(test_engine_graph_replay);
+  if (only && !strcmp(only, "engine")) return mm_test_done();
   RUN(test_backend_vs_reference);
   RUN(test_backend_graph_replay);
   RUN(test_rank_equality);
