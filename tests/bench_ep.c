@@ -228,7 +228,7 @@ static int parse_list(const char *s, int *v, int cap) {
 int main(int argc, char **argv) {
   int R = mm_cuda_device_count();
   int H = 6144, E = 256, K = 8, iters = 20;
-  int Tn[8] = {128, 4096}, nn = 2, Tl[8] = {128}, nl = 1;
+  int Tn[8] = {128, 4096, 8192}, nn = 3, Tl[8] = {128, 256}, nl = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--ranks")) R = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--tokens")) nn = parse_list(argv[i + 1], Tn, 8);
