@@ -239,11 +239,25 @@ mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
   }
 }
 
+/* As grouped send/recv, not ncclAllGather: the communicator then only ever
+ * runs point-to-point transfers (no collective algorithm, no NVLS). */
 mm_err *mm_ep_comm_allgather(mm_ep_comm *c, void *buf, size_t bytes, void *stream) {
   if (c->failed) return failed_error(c);
-  ncclResult_t r = ncclAllGather((const char *)buf + (size_t)c->rank * bytes, buf, bytes, ncclUint8,
-                                 c->comm, (cudaStream_t)stream);
-  return complete(c, r, "ncclAllGather");
+  if (c->ranks == 1) return NULL; /* this rank's part is already in place */
+  char *b = buf;
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return fail(c, MEGAMOE_CODE_INTERNAL, "ncclGroupStart: %s", ncclGetErrorString(r));
+  for (int p = 0; p < c->ranks && r == ncclSuccess; p++) {
+    if (p == c->rank) continue;
+    r = ncclSend(b + (size_t)c->rank * bytes, bytes, ncclUint8, p, c->comm, (cudaStream_t)stream);
+    if (r == ncclSuccess)
+      r = ncclRecv(b + (size_t)p * bytes, bytes, ncclUint8, p, c->comm, (cudaStream_t)stream);
+  }
+  ncclResult_t e = ncclGroupEnd();
+  if (r != ncclSuccess)
+    return fail(c, MEGAMOE_CODE_INTERNAL, "count exchange: %s (%s)", ncclGetErrorString(r),
+                nccl_detail(c));
+  return complete(c, e, "count exchange (grouped ncclSend/ncclRecv)");
 }
 
 mm_err *mm_ep_comm_alltoallv(mm_ep_comm *c, const void *send, const int64_t *send_off,

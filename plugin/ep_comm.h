@@ -54,8 +54,10 @@ mm_err *mm_ep_comm_check(mm_ep_comm *c);
  * the stream and NCCL's asynchronous error; aborts on error or timeout. */
 mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream);
 
-/* In-place all-gather of `bytes` per rank: this rank's part is at
- * buf + rank * bytes. */
+/* In-place all-gather of `bytes` per rank (this rank's part is at
+ * buf + rank * bytes), as grouped point-to-point transfers. Every transfer
+ * of this module is ncclSend / ncclRecv: no collective algorithm, so no
+ * NVLink multicast (NVLS) is ever selected for it. */
 mm_err *mm_ep_comm_allgather(mm_ep_comm *c, void *buf, size_t bytes, void *stream);
 
 /* Grouped all-to-all-v of bytes: to peer r send_bytes[r] from
