@@ -51,6 +51,18 @@ static mm_err *note_fatal(mm_op *op, mm_err *err) {
   return err;
 }
 
+/* Errors of earlier low-latency steps still unreported when the engine goes
+ * away (plan again, destroy): logged, since those calls have no step to blame. */
+static void log_pending(mm_op *op, const char *when) {
+  cuda_state *s = state_of(op);
+  if (!s->engine || (s->comm && mm_ep_comm_failure(s->comm))) return;
+  mm_err *e = mm_ep_take_error(s->engine, s->stream, 1);
+  if (e) {
+    mm_log(MEGAMOE_LOG_WARN, "%s: %s", when, megamoe_error_message(e));
+    megamoe_error_destroy(e);
+  }
+}
+
 static mm_err *cuda_init(mm_op *op) {
   const mm_config *c = &op->cfg;
   const int R = op->ep_size, E = c->model.num_experts;
@@ -129,6 +141,7 @@ static mm_err *cuda_plan(mm_op *op, int max_tokens, void *stream, uint64_t *devi
   cuda_state *s = state_of(op);
   const mm_config *c = &op->cfg;
   MM_TRY(cuda_err(cudaSetDevice(op->device), "cudaSetDevice"));
+  if (s->engine) log_pending(op, "plan");
   mm_ep_engine_destroy(s->engine); /* re-plan */
   s->engine = NULL;
   const int ll = ll_capacity(op, max_tokens);
@@ -234,6 +247,7 @@ static void cuda_destroy(mm_op *op) {
   if (!s) return;
   if (op->device >= 0) cudaSetDevice(op->device);
   if (s->stream && s->comm) {
+    log_pending(op, "destroy");
     /* Bounded wait: a hung peer turns into an abort, not a hang here. */
     mm_err *e = mm_ep_comm_sync(s->comm, s->stream);
     if (e) {
