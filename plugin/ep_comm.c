@@ -98,14 +98,14 @@ static mm_err *bootstrap_id(const mm_ep_comm_args *a, ncclUniqueId *id) {
   char key[256];
   snprintf(key, sizeof key, "%s/nccl-unique-id", a->key && a->key[0] ? a->key : "megamoe");
   if (a->rank == 0) {
+    if (a->ranks > 1 && !a->kv_put)
+      return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                      "ep-size %d needs the host's nccl_comm or its kv_put/kv_get services",
+                      a->ranks);
     ncclResult_t r = ncclGetUniqueId(id);
     if (r != ncclSuccess)
       return mm_error(MEGAMOE_CODE_INTERNAL, "ncclGetUniqueId: %s", ncclGetErrorString(r));
     if (a->ranks == 1) return NULL;
-    if (!a->kv_put)
-      return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
-                      "ep-size %d needs the host's nccl_comm or its kv_put/kv_get services",
-                      a->ranks);
     if (a->kv_put(a->kv_ctx, key, id, sizeof *id) != 0)
       return mm_error(MEGAMOE_CODE_UNAVAILABLE, "kv_put(\"%s\") failed", key);
     return NULL;

@@ -519,6 +519,33 @@ static void test_backend_graph_replay(void) {
   free(x), free(eager), free(replay), free(want), free(ids), free(w);
 }
 
+/* ---- communicator failures ------------------------------------------------------------ */
+
+static void test_comm_failures(void) {
+  const megamoe_host_services *hs = mm_host_services();
+  mm_ep_comm *c = NULL;
+  char key[64];
+  snprintf(key, sizeof key, "ept-lonely-%d", g_key_gen++);
+  /* rank 1 of 2: rank 0 never publishes the NCCL id -> DEADLINE_EXCEEDED */
+  mm_ep_comm_args a1 = {1, 2, 0, NULL, key, 300, NULL, hs->kv_put, hs->kv_get};
+  CHECK_ERR(mm_ep_comm_create(&a1, &c), MEGAMOE_CODE_DEADLINE_EXCEEDED);
+  CHECK(c == NULL);
+  /* more than one rank and neither a host communicator nor kv services */
+  mm_ep_comm_args a0 = {0, 2, 0, NULL, key, 300, NULL, NULL, NULL};
+  CHECK_ERR(mm_ep_comm_create(&a0, &c), MEGAMOE_CODE_FAILED_PRECONDITION);
+  mm_ep_comm_args bad = {2, 2, 0, NULL, key, 300, NULL, NULL, NULL};
+  CHECK_ERR(mm_ep_comm_create(&bad, &c), MEGAMOE_CODE_INVALID_ARGUMENT);
+  /* Opt-in (MEGAMOE_TEST_COMM_TIMEOUT=1): rank 0 of 2 publishes the id, rank 1
+   * never joins: the non-blocking init times out and is aborted. */
+  const char *opt = getenv("MEGAMOE_TEST_COMM_TIMEOUT");
+  if (opt && opt[0] == '1') {
+    snprintf(key, sizeof key, "ept-lonely-%d", g_key_gen++);
+    mm_ep_comm_args a2 = {0, 2, 0, NULL, key, 2000, NULL, hs->kv_put, hs->kv_get};
+    CHECK_ERR(mm_ep_comm_create(&a2, &c), MEGAMOE_CODE_DEADLINE_EXCEEDED);
+    CHECK(c == NULL);
+  }
+}
+
 /* ---- rank-count equality --------------------------------------------------------------- */
 
 typedef struct {
@@ -610,6 +637,7 @@ int main(void) {
   RUN(test_engine_both_modes);
   RUN(test_engine_edges);
   RUN(test_engine_graph_replay);
+  RUN(test_comm_failures);
   if (only && !strcmp(only, "engine")) return mm_test_done();
   RUN(test_backend_vs_reference);
   RUN(test_backend_graph_replay);
