@@ -17,13 +17,15 @@ real_bin() { # libtool may leave wrappers; prefer the real binary
   d=$(dirname "$f"); b=$(basename "$f")
   if [ -x "$d/.libs/$b" ]; then echo "$d/.libs/$b"; else echo "$f"; fi
 }
-for f in "$build"/tests/gpu_test_* "$build"/tests/test_*; do
+for f in "$build"/tests/gpu_test_* "$build"/tests/test_* "$build"/tests/*.sh; do
   [ -x "$f" ] && [ ! -d "$f" ] && case $f in *.log|*.trs|*.o) ;; *) cp "$(real_bin "$f")" "$pack/tests/";; esac
 done
 for f in "$build"/host/megamoe-*; do
   [ -x "$f" ] && case $f in *.o) ;; *) cp "$(real_bin "$f")" "$pack/host/";; esac
 done
-for f in "$build"/bench/*; do [ -x "$f" ] && cp "$(real_bin "$f")" "$pack/bench/"; done 2>/dev/null || true
+for f in "$build"/bench/* "$build"/tests/bench_* "$build"/kernels/bench_*; do
+  [ -x "$f" ] && [ -f "$f" ] && case $f in *.o|*.log) ;; *) cp "$(real_bin "$f")" "$pack/bench/";; esac
+done
 cp "$build/plugin/.libs/libmegamoe_plugin.so" "$pack/plugin/.libs/"
 cp /usr/lib/x86_64-linux-gnu/libyaml-0.so.2 /usr/lib/x86_64-linux-gnu/libuv.so.1 "$pack/lib/"
 cp "$src"/../shared/golden/*.safetensors "$pack/golden/" 2>/dev/null || true
