@@ -2,7 +2,12 @@
  * (GEMM1 + SwiGLU + FP8 requant + GEMM2 with FP4 weights decoded in-kernel).
  * Called by the plugin's CUDA execute path. C-callable; implemented in .cu.
  *
- * DRAFT CONTRACT (owner: the Hopper compute work; refine freely, keep C).
+ * Two implementations of one contract: the product path (warp-specialized
+ * WGMMA kernels, kernels/moe_sm90_wgmma.cu) and a plain CUDA-core path
+ * (kernels/moe_sm90.cu) kept for debugging and as a second opinion. Both
+ * follow ref_moe.h's rounding order. Mode 2 runs its MMAs in F16 instead of
+ * BF16: e2m1 * E4M3 scale and E4M3 activations are exact in both, F16 has the
+ * same HGMMA rate and an exact E4M3 -> F16 convert.
  */
 #ifndef MM_MOE_COMPUTE_H
 #define MM_MOE_COMPUTE_H
@@ -10,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "layout_sm90.h"
 #include "qmat.h"
 #include "status.h"
 
@@ -17,11 +23,8 @@
 extern "C" {
 #endif
 
-typedef enum {
-  MM_WMODE_G32_FP8 = 1,        /* gran 32 UE8M0 folded into E4M3, QGMMA */
-  MM_WMODE_G16_BF16_EXACT = 2, /* gran 16 E4M3 scales, decode to BF16, HGMMA */
-  MM_WMODE_G16_FP8 = 3         /* gran 16, scale folded into E4M3 (lossy), QGMMA */
-} mm_weight_mode;
+/* mm_weight_mode (1 g32-fp8, 2 g16-bf16-exact, 3 g16-fp8) and the layout
+ * itself: plugin/layout_sm90.h. */
 
 /* Prepared weights of the E_loc local experts of one layer on one device, in
  * the sm90 kernel layout (docs/LAYOUTS.md). Opaque to callers. */
@@ -52,10 +55,28 @@ typedef struct mm_expert_pool {
  * activations, tile scheduler state). Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 
+/* Computes every row in [offsets[0], offsets[E_loc]); other rows of `out`
+ * are not written. activation_clamp 0 = none. Asynchronous on `stream`;
+ * errors are launch/argument errors (kernel faults show at the next sync). */
 mm_err *mm_sm90_expert_compute(const mm_sm90_layer *layer,
                                const mm_expert_pool *pool, float activation_clamp,
                                void *workspace, size_t workspace_bytes,
                                void *stream);
+
+typedef enum {
+  MM_SM90_PATH_AUTO = 0,  /* WGMMA where the shape allows, else CUDA cores */
+  MM_SM90_PATH_SIMT = 1,  /* plain CUDA-core kernels (debug reference) */
+  MM_SM90_PATH_WGMMA = 2  /* WGMMA only; error if the shape is unsupported */
+} mm_sm90_path;
+
+mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *layer, const mm_expert_pool *pool,
+                                    float activation_clamp, void *workspace,
+                                    size_t workspace_bytes, void *stream, mm_sm90_path path);
+
+/* Mode 3 only: relative Frobenius error of the folded weights against the
+ * canonical ones, measured at create (0 for the exact modes). */
+double mm_sm90_layer_fold_error(const mm_sm90_layer *layer);
+mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *layer);
 
 #ifdef __cplusplus
 }

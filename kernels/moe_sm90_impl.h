@@ -1,0 +1,57 @@
+/* moe_sm90_impl.h -- internals shared by the sm90 expert-compute files
+ * (C++/CUDA only). */
+#ifndef MM_MOE_SM90_IMPL_H
+#define MM_MOE_SM90_IMPL_H
+
+#include <cuda_runtime.h>
+
+/* status.h, qmat.h, formats.h are plain C headers */
+extern "C" {
+#include "moe_compute.h"
+}
+
+struct mm_sm90_layer {
+  mm_weight_mode mode;
+  int E, H, I;
+  size_t rec;          /* record bytes */
+  size_t w13_bytes;    /* one expert's w13 records */
+  size_t w2_bytes;
+  size_t expert_bytes; /* w13 then w2 */
+  uint8_t *d_w;        /* [E][expert_bytes] */
+  float *d_rs13;       /* [E][2I] row factors in layout row order */
+  float *d_rs2;        /* [E][H] */
+  uint8_t *d_lut;      /* [MM_SM90_LUT_ENTRIES][8] */
+  size_t device_bytes;
+  double fold_rel;     /* mode 3 relative Frobenius fold error */
+};
+
+/* Workspace carve-up for Mp = num_rows_max rounded up to 64 rows. */
+struct mm_sm90_ws {
+  int Mp;
+  float *xs_t;     /* [H/128][Mp] token scales, transposed */
+  uint16_t *x16;   /* [Mp][H] F16 copy of x (mode 2), else NULL */
+  uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (mode 2) intermediate */
+  float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
+  size_t bytes;
+};
+
+mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base);
+
+#define MM_CUDA_TRY(call)                                                              \
+  do {                                                                                 \
+    cudaError_t e_ = (call);                                                           \
+    if (e_ != cudaSuccess)                                                             \
+      return mm_error(MEGAMOE_CODE_INTERNAL, "%s failed: %s (%s:%d)", #call,           \
+                      cudaGetErrorString(e_), __FILE__, __LINE__);                     \
+  } while (0)
+
+/* Plain CUDA-core path (moe_sm90.cu). */
+mm_err *mm_sm90_run_simt(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                         const mm_sm90_ws *ws, cudaStream_t stream);
+/* WGMMA path (moe_sm90_wgmma.cu); prep (scale transpose, F16 copy) included. */
+mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                          const mm_sm90_ws *ws, cudaStream_t stream);
+/* NULL if the WGMMA path supports L's shape, else why not. */
+const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L);
+
+#endif

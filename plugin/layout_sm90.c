@@ -1,0 +1,276 @@
+/* layout_sm90.c -- CPU reference transform: canonical mm_qmat -> sm90 kernel
+ * records (see layout_sm90.h and docs/LAYOUTS-sm90.md). */
+#include "layout_sm90.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "formats.h"
+#include "parallel.h"
+
+static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]) {
+  for (int k = MM_SM90_LUT_KMIN; k <= MM_SM90_LUT_KMAX; k++)
+    for (int j = 0; j < 8; j++)
+      for (int i = 0; i < 8; i++)
+        table[MM_SM90_LUT_INDEX(k, j)][i] =
+            mm_float_to_e4m3(kMag[i] * (1.0f + (float)j / 8.0f) * ldexpf(1.0f, k));
+}
+
+static int code_at(const mm_qmat *m, int r, int k) {
+  return mm_fp4_get(m->codes + (size_t)r * (size_t)(m->cols / 2), (size_t)k);
+}
+
+/* Mode 1: is every nonzero code of (row r, group gi) exact at shift s? */
+static int g32_group_exact(const mm_qmat *m, const uint8_t lut[][8], int r, int gi, int s) {
+  if (s < MM_SM90_LUT_KMIN || s > MM_SM90_LUT_KMAX) return 0;
+  const uint8_t *e = lut[MM_SM90_LUT_INDEX(s, 0)];
+  for (int k = gi * 32; k < gi * 32 + 32; k++) {
+    int c = code_at(m, r, k) & 7;
+    if (c && mm_e4m3_to_float(e[c]) != ldexpf(kMag[c], s)) return 0;
+  }
+  return 1;
+}
+
+static int group_nonzero(const mm_qmat *m, int r, int gi) {
+  for (int k = gi * m->gran; k < (gi + 1) * m->gran; k++)
+    if (code_at(m, r, k) & 7) return 1;
+  return 0;
+}
+
+typedef struct {
+  const mm_qmat *m;
+  mm_weight_mode mode;
+  int gate_up;
+  uint8_t *dst;
+  float *row_scale;
+  uint8_t (*lut)[8];
+  /* per row tile results (errors: first failing row tile wins) */
+  char (*msg)[256];
+  double *err2, *ref2;
+} pack_job;
+
+/* Packs row tiles [begin, end). */
+static void pack_tiles(void *ctx, size_t begin, size_t end) {
+  pack_job *j = ctx;
+  const mm_qmat *m = j->m;
+  const mm_weight_mode mode = j->mode;
+  const int KB = m->cols / 128;
+  const size_t rec = mm_sm90_record_bytes(mode);
+  for (size_t t = begin; t < end; t++) {
+    double e2 = 0.0, r2 = 0.0;
+    for (int kb = 0; kb < KB; kb++) {
+      uint8_t *R = j->dst + (t * (size_t)KB + (size_t)kb) * rec;
+      memset(R, 0, rec);
+      uint8_t *sc = R + mm_sm90_scale_offset();
+      int16_t ref[64];
+      for (int lr = 0; lr < 64; lr++) {
+        const int r = (int)t * 64 + lr;
+        const int src = mm_sm90_src_row(r, m->rows, j->gate_up);
+        if (kb == 0) j->row_scale[r] = m->row_scale[src];
+        uint8_t flip[8] = {0}; /* per group: negate codes (negative E4M3 scale, mode 3) */
+        ref[lr] = 0;
+        if (mode == MM_WMODE_G16_BF16_EXACT) {
+          for (int g = 0; g < 8; g++) {
+            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 16) + (size_t)(kb * 8 + g)];
+            if (mm_e4m3_is_nan(b)) {
+              snprintf(j->msg[t], 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src,
+                       kb * 8 + g, b);
+              return;
+            }
+            sc[lr * 8 + g] = b;
+          }
+        } else if (mode == MM_WMODE_G32_FP8) {
+          int emax = -1;
+          for (int g = 0; g < 4; g++) {
+            int gi = kb * 4 + g;
+            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
+            if (b == 0xFF) {
+              snprintf(j->msg[t], 256, "row %d group %d: UE8M0 scale byte 0xFF is NaN", src, gi);
+              return;
+            }
+            if (group_nonzero(m, src, gi) && b > emax) emax = b;
+          }
+          int stop = 99;
+          if (emax >= 0) {
+            /* Largest anchor shift for which every group folds exactly. */
+            for (int s = MM_SM90_LUT_KMAX; s >= 0 && stop == 99; s--) {
+              int ok = 1;
+              for (int g = 0; g < 4 && ok; g++) {
+                int gi = kb * 4 + g;
+                uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
+                if (group_nonzero(m, src, gi)) ok = g32_group_exact(m, (const uint8_t(*)[8])j->lut, src, gi, s - (emax - b));
+              }
+              if (ok) stop = s;
+            }
+            if (stop == 99) {
+              int emin = 255;
+              for (int g = 0; g < 4; g++) {
+                int gi = kb * 4 + g;
+                uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
+                if (group_nonzero(m, src, gi) && b < emin) emin = b;
+              }
+              snprintf(j->msg[t], 256,
+                       "row %d columns %d..%d: UE8M0 group exponents 2^%d..2^%d are too far apart "
+                       "to fold exactly into FP8 E4M3 under one FP32 scale (2^%d apart at most "
+                       "per 128 columns guaranteed); requantize this tensor or use gran_k 16 bf16-exact",
+                       src, kb * 128, kb * 128 + 127, emin - 127, emax - 127,
+                       14);
+              return;
+            }
+            ref[lr] = (int16_t)((emax - 127) - stop);
+          }
+          for (int g = 0; g < 4; g++) {
+            int gi = kb * 4 + g;
+            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
+            sc[lr * 4 + g] = (emax >= 0 && group_nonzero(m, src, gi))
+                                 ? (uint8_t)MM_SM90_LUT_INDEX(stop - (emax - b), 0)
+                                 : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
+          }
+        } else { /* mode 3: lossy fold relative to a power-of-two reference */
+          float smax = 0.0f, sabs[8];
+          for (int g = 0; g < 8; g++) {
+            int gi = kb * 8 + g;
+            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 16) + (size_t)gi];
+            if (mm_e4m3_is_nan(b)) {
+              snprintf(j->msg[t], 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src, gi,
+                       b);
+              return;
+            }
+            sabs[g] = fabsf(mm_e4m3_to_float(b));
+            flip[g] = (b & 0x80) ? 8 : 0;
+            if (!group_nonzero(m, src, gi)) sabs[g] = 0.0f;
+            if (sabs[g] > smax) smax = sabs[g];
+          }
+          int rexp = 0;
+          if (smax > 0.0f) {
+            rexp = -40;
+            while (ldexpf(448.0f, rexp) < smax * 6.0f) rexp++;
+          }
+          ref[lr] = (int16_t)rexp;
+          for (int g = 0; g < 8; g++) {
+            uint8_t idx = 0;
+            if (sabs[g] > 0.0f) {
+              int e;
+              float f = frexpf(sabs[g], &e); /* sabs = 2f * 2^(e-1), 2f in [1, 2) */
+              int jm = (int)((2.0f * f - 1.0f) * 8.0f);
+              int k = (e - 1) - rexp;
+              if (k > MM_SM90_LUT_KMAX) {
+                snprintf(j->msg[t], 256, "row %d group %d: internal fold range error", src,
+                         kb * 8 + g);
+                return;
+              }
+              idx = k < MM_SM90_LUT_KMIN ? 0 : (uint8_t)MM_SM90_LUT_INDEX(k, jm);
+            }
+            sc[lr * 8 + g] = idx;
+          }
+        }
+        /* codes */
+        for (int kk = 0; kk < 128; kk++) {
+          int k = kb * 128 + kk;
+          int c = code_at(m, src, k);
+          if (mode == MM_WMODE_G16_FP8 && (c & 7)) c ^= flip[kk >> 4];
+          int off, mb, sb;
+          mm_sm90_code_slot(mode, lr, kk, &off, &mb, &sb);
+          uint32_t word;
+          memcpy(&word, R + off, 4);
+          word |= (uint32_t)(c & 7) << mb;
+          word |= (uint32_t)((c >> 3) & 1) << sb;
+          memcpy(R + off, &word, 4);
+        }
+      }
+      if (mm_sm90_has_ref(mode)) memcpy(R + mm_sm90_ref_offset(mode), ref, sizeof(ref));
+      /* fold error of this record */
+      for (int lr = 0; lr < 64; lr++) {
+        const int r = (int)t * 64 + lr;
+        const int src = mm_sm90_src_row(r, m->rows, j->gate_up);
+        for (int kk = 0; kk < 128; kk++) {
+          double w = (double)mm_qmat_weight(m, src, kb * 128 + kk);
+          double v = (double)mm_sm90_weight(j->dst, mode, m->rows, m->cols, r, kb * 128 + kk);
+          e2 += (v - w) * (v - w);
+          r2 += w * w;
+        }
+      }
+    }
+    j->err2[t] = e2;
+    j->ref2[t] = r2;
+  }
+}
+
+mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
+                            float *row_scale, double fold_err[2]) {
+  if (mode < MM_WMODE_G32_FP8 || mode > MM_WMODE_G16_FP8)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: unknown weight mode %d",
+                    (int)mode);
+  if (m->rows <= 0 || m->rows % 64 || m->cols <= 0 || m->cols % 128)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "sm90 layout: matrix [%d, %d] must have rows %% 64 == 0 and cols %% 128 == 0",
+                    m->rows, m->cols);
+  if (mode == MM_WMODE_G32_FP8 && (m->gran != 32 || m->sf != MM_SF_UE8M0))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "sm90 layout: mode g32-fp8 needs gran 32 UE8M0 scales (got gran %d, %s)",
+                    m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
+  if (mode != MM_WMODE_G32_FP8 && (m->gran != 16 || m->sf != MM_SF_E4M3))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "sm90 layout: gran-16 modes need gran 16 E4M3 scales (got gran %d, %s)",
+                    m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
+  if (gate_up && m->rows % 128)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "sm90 layout: w13 rows %d must be a multiple of 128 (2 x 64 channels)",
+                    m->rows);
+  const size_t tiles = (size_t)(m->rows / 64);
+  uint8_t lut[MM_SM90_LUT_ENTRIES][8];
+  mm_sm90_lut_table(lut);
+  char(*msg)[256] = calloc(tiles, sizeof(*msg));
+  double *err2 = calloc(tiles, sizeof(double)), *ref2 = calloc(tiles, sizeof(double));
+  mm_err *err = NULL;
+  if (!msg || !err2 || !ref2) {
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layout: out of host memory");
+    goto done;
+  }
+  pack_job job = {m, mode, gate_up, dst, row_scale, lut, msg, err2, ref2};
+  mm_parallel_for(tiles, 0, pack_tiles, &job);
+  double e2 = 0.0, r2 = 0.0;
+  for (size_t t = 0; t < tiles; t++) {
+    if (msg[t][0]) {
+      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: %s", msg[t]);
+      goto done;
+    }
+    e2 += err2[t];
+    r2 += ref2[t];
+  }
+  if (fold_err) {
+    fold_err[0] = e2;
+    fold_err[1] = r2;
+  }
+done:
+  free(msg);
+  free(err2);
+  free(ref2);
+  return err;
+}
+
+float mm_sm90_weight(const uint8_t *blob, mm_weight_mode mode, int rows, int cols, int r, int k) {
+  (void)rows;
+  const int KB = cols / 128, lr = r & 63, kk = k & 127, G = mm_sm90_groups_per_row(mode);
+  const uint8_t *R = blob + ((size_t)(r >> 6) * (size_t)KB + (size_t)(k >> 7)) * mm_sm90_record_bytes(mode);
+  int off, mb, sb;
+  mm_sm90_code_slot(mode, lr, kk, &off, &mb, &sb);
+  uint32_t word;
+  memcpy(&word, R + off, 4);
+  int mag = (int)((word >> mb) & 7), neg = (int)((word >> sb) & 1);
+  uint8_t sbyte = R[mm_sm90_scale_offset() + (size_t)(lr * G + mm_sm90_group_of(mode, kk))];
+  if (mode == MM_WMODE_G16_BF16_EXACT) {
+    float v = kMag[mag] * mm_e4m3_to_float(sbyte);
+    return neg ? -v : v;
+  }
+  /* the fold table entry, computed in place (same formula as the table) */
+  int lk = (sbyte >> 3) + MM_SM90_LUT_KMIN, lj = sbyte & 7;
+  uint8_t lb = mm_float_to_e4m3(kMag[mag] * (1.0f + (float)lj / 8.0f) * ldexpf(1.0f, lk));
+  int16_t ref;
+  memcpy(&ref, R + mm_sm90_ref_offset(mode) + 2 * (size_t)lr, 2);
+  uint8_t b = (uint8_t)(lb | (neg << 7));
+  return mm_e4m3_to_float(b) * mm_sm90_pow2(ref);
+}

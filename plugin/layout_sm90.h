@@ -1,0 +1,151 @@
+/* layout_sm90.h -- the weight layout of the sm_90a fused expert kernels
+ * (kernels/moe_sm90*.cu) and its CPU reference transform from the canonical
+ * mm_qmat. Index formulas: docs/LAYOUTS-sm90.md.
+ *
+ * A matrix [rows, cols] is cut into 64-row x 128-column records. A record is
+ * what one consumer warpgroup needs for one K-block of one WGMMA m64 tile:
+ * 4096 bytes of packed E2M1 codes permuted so that thread t of the warpgroup
+ * reads 2 x 16 contiguous bytes (its A-fragment rows, already in register
+ * order), then the per-group scale bytes, then (FP8 modes) one power-of-two
+ * reference exponent per row. FP4 stays packed: 0.5 byte per weight.
+ *
+ * The inline slot functions below are shared by the C transform and the CUDA
+ * kernels, so both agree on every bit. */
+#ifndef MM_LAYOUT_SM90_H
+#define MM_LAYOUT_SM90_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qmat.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  MM_WMODE_G32_FP8 = 1,        /* gran 32 UE8M0 folded exactly into E4M3, QGMMA */
+  MM_WMODE_G16_BF16_EXACT = 2, /* gran 16 E4M3 scales, decode exact to 16 bit, HGMMA */
+  MM_WMODE_G16_FP8 = 3         /* gran 16, scale folded into E4M3 (lossy), QGMMA */
+} mm_weight_mode;
+
+#define MM_SM90_TILE_ROWS 64
+#define MM_SM90_KBLOCK 128
+#define MM_SM90_CODE_BYTES 4096
+/* FP8 fold table: entry (k, j), k in [KMIN, KMAX], j in [0, 8): 8 bytes, byte
+ * i = E4M3(RNE(e2m1 magnitude i * (1 + j/8) * 2^k)). Entry 0 (k = KMIN, j = 0)
+ * is all zeros. */
+#define MM_SM90_LUT_KMIN (-16)
+#define MM_SM90_LUT_KMAX 9
+#define MM_SM90_LUT_ENTRIES ((MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1) * 8)
+#define MM_SM90_LUT_INDEX(k, j) ((((k) - MM_SM90_LUT_KMIN) << 3) | (j))
+
+#if defined(__CUDACC__)
+#define MM_SM90_HD __host__ __device__ static inline
+#else
+#define MM_SM90_HD static inline
+#endif
+
+/* Scale bytes per row of a record: mode 1 one LUT index per 32-group (4),
+ * mode 2 one E4M3 byte per 16-group (8), mode 3 one LUT index per 16-group. */
+MM_SM90_HD int mm_sm90_groups_per_row(mm_weight_mode mode) {
+  return mode == MM_WMODE_G32_FP8 ? 4 : 8;
+}
+MM_SM90_HD int mm_sm90_has_ref(mm_weight_mode mode) { return mode != MM_WMODE_G16_BF16_EXACT; }
+/* codes + scales [64][groups] + (FP8 modes) int16 reference exponents [64]. */
+MM_SM90_HD size_t mm_sm90_record_bytes(mm_weight_mode mode) {
+  return MM_SM90_CODE_BYTES + 64u * (size_t)mm_sm90_groups_per_row(mode) +
+         (mm_sm90_has_ref(mode) ? 128u : 0u);
+}
+MM_SM90_HD size_t mm_sm90_scale_offset(void) { return MM_SM90_CODE_BYTES; }
+MM_SM90_HD size_t mm_sm90_ref_offset(mm_weight_mode mode) {
+  return MM_SM90_CODE_BYTES + 64u * (size_t)mm_sm90_groups_per_row(mode);
+}
+/* Records are ordered [row tile][K-block]. */
+MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) {
+  return (size_t)(rows / 64) * (size_t)(cols / 128) * mm_sm90_record_bytes(mode);
+}
+
+/* Where the code of (local row lr in [0,64), column kk in [0,128)) lives in
+ * a record: byte offset of its 32-bit word, bit of the 3 magnitude bits,
+ * bit of the sign. Thread t = 32w + 4g + q of the warpgroup owns rows
+ * 16w+g and 16w+g+8 (A fragment rows) and 8 words: word u at
+ * (u/4)*2048 + t*16 + (u%4)*4.
+ *  FP8 modes (k32 step s = kk/32): u = 2s + (row is the +8 one); the word
+ *    holds k = 4q+b (+16 for the high half h); element b of the low half:
+ *    magnitude at 4b, sign at 8b+7; of the high half: 16+4b, sign 8b+3
+ *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
+ *    w >> 16 with (w << 4) & 0x80808080).
+ *  16-bit mode (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
+ *    n = o + 4*hh holds k = 2q + hh + 8*jh of step s, o = 2*(s%2) + jh
+ *    (standard nibble: magnitude at 4n, sign at 4n+3). */
+MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
+                                  int *mag_bit, int *sign_bit) {
+  int w = lr >> 4, g = lr & 7, rr = (lr >> 3) & 1, u, q;
+  if (mode == MM_WMODE_G16_BF16_EXACT) {
+    int s = kk >> 4, kr = kk & 15, jh = kr >> 3, q8 = kr & 7, hh = q8 & 1;
+    q = q8 >> 1;
+    u = 2 * (s >> 1) + rr;
+    int n = (2 * (s & 1) + jh) + 4 * hh;
+    *mag_bit = 4 * n;
+    *sign_bit = 4 * n + 3;
+  } else {
+    int s = kk >> 5, kq = kk & 31, h = kq >> 4, kr = kq & 15, b = kr & 3;
+    q = kr >> 2;
+    u = 2 * s + rr;
+    *mag_bit = h ? 16 + 4 * b : 4 * b;
+    *sign_bit = h ? 8 * b + 3 : 8 * b + 7;
+  }
+  int t = 32 * w + 4 * g + q;
+  *word_off = (u >> 2) * 2048 + t * 16 + (u & 3) * 4;
+}
+
+/* Scale byte index (within the row's bytes) of column kk of a record. */
+MM_SM90_HD int mm_sm90_group_of(mm_weight_mode mode, int kk) {
+  return mode == MM_WMODE_G32_FP8 ? kk >> 5 : kk >> 4;
+}
+
+/* Canonical row of layout row r. gate_up: w13 ([gate; up], rows = 2I):
+ * layout tile t (64 rows) holds channels 32t..32t+31, gate and up rows
+ * alternating in blocks of 8, so an accumulator thread owns a channel's gate
+ * (row 16w+g) and up (row 16w+g+8). Otherwise the identity. */
+MM_SM90_HD int mm_sm90_src_row(int r, int rows, int gate_up) {
+  if (!gate_up) return r;
+  int t = r >> 6, i = r & 63;
+  int c = 32 * t + (i >> 4) * 8 + (i & 7);
+  return ((i >> 3) & 1) ? rows / 2 + c : c;
+}
+/* Inverse for w13: layout row of channel c's gate (up = +8). */
+MM_SM90_HD int mm_sm90_gate_row(int c) { return 64 * (c >> 5) + 16 * ((c >> 3) & 3) + (c & 7); }
+
+/* 2^e as FP32 for e in [-149, 127] (exact, subnormals included). */
+MM_SM90_HD float mm_sm90_pow2(int e) {
+  union { uint32_t u; float f; } v;
+  if (e >= -126) v.u = (uint32_t)(e + 127) << 23;
+  else if (e >= -149) v.u = 1u << (e + 149);
+  else v.u = 0;
+  return v.f;
+}
+
+/* Builds the fold table (MM_SM90_LUT_ENTRIES x 8 bytes). */
+void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
+
+/* Packs m into dst (mm_sm90_matrix_bytes bytes) and writes the FP32 row
+ * factor of every layout row into row_scale (rows floats). gate_up selects
+ * the w13 row order. Mode 1 needs gran 32 UE8M0, modes 2/3 gran 16 E4M3.
+ * Mode 1 is exact or fails (naming row and K-block) when a 128-column block
+ * of a row holds groups whose exponents are too far apart for one FP8 fold.
+ * If fold_err is not NULL it receives, for mode 3, sum (w_folded - w)^2 and
+ * sum w^2 over the matrix (mode 1/2: the same sums, which are 0 / exact). */
+mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
+                            float *row_scale, double fold_err[2]);
+
+/* The weight the kernels use at layout row r, column k, without the row
+ * factor: mode 1/3 E4M3 fold byte * 2^ref, mode 2 e2m1 * E4M3 scale. */
+float mm_sm90_weight(const uint8_t *blob, mm_weight_mode mode, int rows, int cols, int r, int k);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

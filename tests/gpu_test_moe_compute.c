@@ -1,0 +1,241 @@
+/* gpu_test_moe_compute.c -- the sm90 fused expert compute against the CPU
+ * reference (ref_moe.h) on fresh random data: all three weight modes, both
+ * implementations (WGMMA product path, CUDA-core path), several pool shapes
+ * (M not a multiple of any tile, empty experts, one expert holding every row,
+ * E_loc 1..32), an activation clamp, extreme UE8M0 exponents. Outputs and the
+ * workspace are poisoned (NaN) before every run; rows outside the pool must
+ * stay poisoned. Skips (TAP) without a GPU. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <string.h>
+
+#include "formats.h"
+#include "harness.h"
+#include "moe_compute.h"
+#include "ref_moe.h"
+
+#define CUDA_OK(x)                                                                      \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      printf("# %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
+      mm_test_case_failed_ = 1;                                                         \
+      return;                                                                           \
+    }                                                                                   \
+  } while (0)
+
+typedef struct {
+  int H, I, E;
+  const int *counts; /* NULL: random 0..max_rand */
+  int max_rand;
+  float clamp;
+  int extreme; /* mode 1: wide exponent spread */
+} shape;
+
+static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme) {
+  const int gran = mode == MM_WMODE_G32_FP8 ? 32 : 16;
+  mm_qmat *ms[2] = {&x->w13, &x->w2};
+  const int rows[2] = {2 * I, H}, cols[2] = {H, I};
+  for (int j = 0; j < 2; j++) {
+    mm_qmat *m = ms[j];
+    CHECK(mm_qmat_alloc(m, rows[j], cols[j], gran, gran == 16 ? MM_SF_E4M3 : MM_SF_UE8M0) == 0);
+    for (size_t i = 0; i < (size_t)m->rows * m->cols / 2; i++) m->codes[i] = (uint8_t)mm_test_rand_u64();
+    const int G = m->cols / gran;
+    for (int r = 0; r < m->rows; r++) {
+      int base = 120 + (int)(mm_test_rand_u64() % 4);
+      if (extreme) base = (j == 0 ? 118 : 60) + (int)(mm_test_rand_u64() % 12);
+      for (int g = 0; g < G; g++) {
+        uint8_t b;
+        if (gran == 32) {
+          b = (uint8_t)(extreme ? base - (int)(mm_test_rand_u64() % 15) : base - (int)(mm_test_rand_u64() % 5));
+        } else {
+          do {
+            b = (uint8_t)(0x20 + mm_test_rand_u64() % 0x38); /* 2^-3 .. ~2^3.9 */
+          } while (mm_e4m3_is_nan(b));
+          if (mm_test_rand_u64() % 16 == 0) b = (uint8_t)(mm_test_rand_u64() % 8); /* subnormal/zero */
+        }
+        m->scales[(size_t)r * G + g] = b;
+      }
+      /* NVFP4: per-projection globals (gate and up may differ) */
+      if (gran == 16) m->row_scale[r] = (j == 0 && r >= I) ? 0.004f : 0.0025f;
+      else m->row_scale[r] = 1.0f;
+    }
+    /* K normalisation: keep activations O(1) */
+    float norm = 1.0f / sqrtf((float)m->cols);
+    if (gran == 32 && !extreme) norm *= 128.0f; /* UE8M0 base 2^-7 .. 2^-4 */
+    if (gran == 16) norm *= 64.0f;
+    if (extreme) norm *= j == 0 ? 256.0f : 1.0f;
+    for (int r = 0; r < m->rows; r++) m->row_scale[r] *= norm;
+    if (extreme && j == 1)
+      for (int r = 0; r < m->rows; r++) m->row_scale[r] = ldexpf(1.0f, 60) * norm;
+  }
+}
+
+static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, int *nan_rows) {
+  double e2 = 0, r2 = 0;
+  *nan_rows = 0;
+  for (int i = 0; i < rows; i++) {
+    int bad = 0;
+    for (int c = 0; c < H; c++) {
+      float x = mm_bf16_to_float(a[(size_t)i * H + c]), y = mm_bf16_to_float(ref[(size_t)i * H + c]);
+      if (!isfinite(x)) bad = 1;
+      else {
+        e2 += ((double)x - y) * ((double)x - y);
+        r2 += (double)y * y;
+      }
+    }
+    *nan_rows += bad;
+  }
+  return r2 > 0 ? sqrt(e2 / r2) : (e2 > 0 ? 1.0 : 0.0);
+}
+
+static int g_have_wgmma_fail = 0;
+
+static void run_case(mm_weight_mode mode, const shape *s) {
+  const int H = s->H, I = s->I, E = s->E;
+  int counts[64], offs[65];
+  offs[0] = 0;
+  for (int e = 0; e < E; e++) {
+    counts[e] = s->counts ? s->counts[e] : (int)(mm_test_rand_u64() % (uint64_t)(s->max_rand + 1));
+    offs[e + 1] = offs[e] + counts[e];
+  }
+  const int Mused = offs[E], M = Mused + 3; /* capacity beyond the pool */
+  const int KB = H / 128;
+  mm_expert_q *ex = calloc((size_t)E, sizeof(*ex));
+  for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, s->extreme);
+  uint8_t *xq = malloc((size_t)M * H);
+  float *xs = malloc(sizeof(float) * (size_t)M * KB), *rw = malloc(sizeof(float) * M);
+  uint16_t *ref = malloc(2 * (size_t)M * H), *got = malloc(2 * (size_t)M * H);
+  {
+    uint16_t *xb = malloc(2 * (size_t)M * H);
+    for (size_t i = 0; i < (size_t)M * H; i++) xb[i] = mm_float_to_bf16(mm_test_normal());
+    /* a few rows of zeros and one huge row */
+    if (M > 4) {
+      memset(xb + (size_t)1 * H, 0, 2 * (size_t)H);
+      for (int c = 0; c < H; c++) xb[(size_t)2 * H + c] = mm_float_to_bf16(mm_test_normal() * 3e4f);
+    }
+    mm_ref_quant_act(xb, M, H, xq, xs);
+    free(xb);
+  }
+  for (int i = 0; i < M; i++) rw[i] = mm_test_uniform(0.05f, 1.0f);
+  for (int e = 0; e < E; e++)
+    mm_ref_expert_rows(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
+                       rw + offs[e], s->clamp, ref + (size_t)offs[e] * H);
+
+  mm_sm90_layer *L = NULL;
+  mm_err *err = mm_sm90_layer_create(ex, E, mode, NULL, &L);
+  CHECK_OK(err);
+  if (!L) goto done;
+  {
+    void *d_off, *d_x, *d_xs, *d_rw, *d_out, *d_ws;
+    size_t wsb = mm_sm90_workspace_bytes(L, M);
+    CUDA_OK(cudaMalloc(&d_off, sizeof(int) * (E + 1)));
+    CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
+    CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * (size_t)M * KB));
+    CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
+    CUDA_OK(cudaMalloc(&d_out, 2 * (size_t)M * H));
+    CUDA_OK(cudaMalloc(&d_ws, wsb));
+    CUDA_OK(cudaMemcpy(d_off, offs, sizeof(int) * (E + 1), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_x, xq, (size_t)M * H, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_xs, xs, sizeof(float) * (size_t)M * KB, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
+    mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out};
+    const double tol = mode == MM_WMODE_G16_FP8 ? 2.0 * mm_sm90_layer_fold_error(L) + 2e-3 : 1e-3;
+    for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_WGMMA; path++) {
+      CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H)); /* NaN */
+      CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
+      err = mm_sm90_expert_compute_path(L, &pool, s->clamp, d_ws, wsb, NULL, (mm_sm90_path)path);
+      if (err && err->code == MEGAMOE_CODE_UNIMPLEMENTED && path == MM_SM90_PATH_WGMMA) {
+        printf("# wgmma path: %s\n", err->message);
+        megamoe_error_destroy(err);
+        g_have_wgmma_fail++;
+        continue;
+      }
+      CHECK_OK(err);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+      int nan_rows;
+      double rel = rel_frob(got, ref, Mused, H, &nan_rows);
+      printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: rel %.3e (tol %.1e) nan rows %d\n",
+             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, Mused,
+             (double)s->clamp, s->extreme ? " extreme" : "", rel, tol, nan_rows);
+      CHECK(nan_rows == 0);
+      CHECK(rel <= tol);
+      for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
+    }
+    if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
+    cudaFree(d_off);
+    cudaFree(d_x);
+    cudaFree(d_xs);
+    cudaFree(d_rw);
+    cudaFree(d_out);
+    cudaFree(d_ws);
+  }
+done:
+  mm_sm90_layer_destroy(L);
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&ex[e].w13);
+    mm_qmat_free(&ex[e].w2);
+  }
+  free(ex);
+  free(xq);
+  free(xs);
+  free(rw);
+  free(ref);
+  free(got);
+}
+
+static const int k_counts_a[] = {5, 0, 70};
+static const int k_counts_all[] = {0, 0, 200, 0};
+static const int k_counts_one[] = {130};
+static const int k_counts_empty[] = {0, 0};
+
+static const shape k_shapes[] = {
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0},
+    {512, 256, 1, k_counts_one, 0, 0.0f, 0},
+    {256, 128, 4, k_counts_all, 0, 3.0f, 0},
+    {256, 128, 32, NULL, 9, 0.0f, 0},
+    {256, 256, 2, k_counts_empty, 0, 0.0f, 0},
+};
+
+static void test_mode(mm_weight_mode mode) {
+  for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++) run_case(mode, &k_shapes[i]);
+}
+static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
+static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
+static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
+static void test_mode1_extreme_exponents(void) {
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1};
+  run_case(MM_WMODE_G32_FP8, &s);
+}
+
+static void test_bad_args(void) {
+  mm_expert_q ex;
+  memset(&ex, 0, sizeof(ex));
+  make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0);
+  mm_sm90_layer *L = NULL;
+  /* wrong mode for the scale format: refused at load, nothing allocated */
+  CHECK_ERR(mm_sm90_layer_create(&ex, 1, MM_WMODE_G16_BF16_EXACT, NULL, &L),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK(L == NULL);
+  CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
+  if (L) {
+    mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL};
+    CHECK_ERR(mm_sm90_expert_compute(L, &pool, 0.0f, NULL, 0, NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+    mm_sm90_layer_destroy(L);
+  }
+  mm_qmat_free(&ex.w13);
+  mm_qmat_free(&ex.w2);
+}
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return mm_test_skip_all("no GPU");
+  mm_test_seed();
+  RUN(test_bad_args);
+  RUN(test_mode1_g32);
+  RUN(test_mode2_g16_exact);
+  RUN(test_mode3_g16_fp8);
+  RUN(test_mode1_extreme_exponents);
+  return mm_test_done();
+}

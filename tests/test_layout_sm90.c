@@ -1,0 +1,216 @@
+/* test_layout_sm90.c -- the sm90 weight layout transform (CPU): every weight
+ * of the packed records decodes to the canonical value (modes 1 and 2
+ * exactly, mode 3 within its E4M3 rounding), extremes of both scale formats,
+ * refusal of unfoldable UE8M0 blocks, the w13 gate/up order, and a bit-level
+ * check of the thread-register word layout. */
+#include <math.h>
+#include <string.h>
+
+#include "formats.h"
+#include "harness.h"
+#include "layout_sm90.h"
+
+static void rand_codes(mm_qmat *m) {
+  for (size_t i = 0; i < (size_t)m->rows * m->cols / 2; i++) m->codes[i] = (uint8_t)mm_test_rand_u64();
+}
+
+/* Compares every layout weight with the canonical one; returns max |rel err|. */
+static double compare_all(const mm_qmat *m, mm_weight_mode mode, int gate_up, const uint8_t *blob,
+                          int *exact_fail) {
+  double worst = 0.0;
+  *exact_fail = 0;
+  for (int r = 0; r < m->rows; r++) {
+    int src = mm_sm90_src_row(r, m->rows, gate_up);
+    for (int k = 0; k < m->cols; k++) {
+      float w = mm_qmat_weight(m, src, k);
+      float v = mm_sm90_weight(blob, mode, m->rows, m->cols, r, k);
+      if (v != w && !(v == 0.0f && w == 0.0f)) {
+        if (*exact_fail < 3)
+          printf("# mismatch mode %d row %d (src %d) k %d: %g vs %g\n", (int)mode, r, src, k, v,
+                 w);
+        (*exact_fail)++;
+      }
+      if (w != 0.0f) {
+        double rel = fabs((double)v - (double)w) / fabs((double)w);
+        if (rel > worst) worst = rel;
+      }
+    }
+  }
+  return worst;
+}
+
+static void test_g32_exact_random(void) {
+  const int shapes[][2] = {{64, 128}, {128, 256}, {256, 384}};
+  for (int s = 0; s < 3; s++) {
+    for (int gate_up = 0; gate_up < 2; gate_up++) {
+      if (gate_up && shapes[s][0] % 128) continue;
+      mm_qmat m;
+      CHECK(mm_qmat_alloc(&m, shapes[s][0], shapes[s][1], 32, MM_SF_UE8M0) == 0);
+      rand_codes(&m);
+      /* each 128-block: a base exponent anywhere, groups up to 14 below it */
+      for (int r = 0; r < m.rows; r++) {
+        m.row_scale[r] = mm_test_uniform(0.5f, 2.0f);
+        for (int kb = 0; kb < m.cols / 128; kb++) {
+          int base = 14 + (int)(mm_test_rand_u64() % 239); /* 14..252: 6 * 2^125 is finite */
+          for (int g = 0; g < 4; g++)
+            m.scales[(size_t)r * (m.cols / 32) + kb * 4 + g] =
+                (uint8_t)(base - (int)(mm_test_rand_u64() % 15));
+        }
+      }
+      uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m.rows, m.cols));
+      float *rs = malloc(sizeof(float) * m.rows);
+      double fe[2];
+      CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, fe));
+      int bad;
+      compare_all(&m, MM_WMODE_G32_FP8, gate_up, blob, &bad);
+      CHECK_EQ_INT(bad, 0);
+      CHECK(fe[0] == 0.0);
+      for (int r = 0; r < m.rows; r++)
+        CHECK(rs[r] == m.row_scale[mm_sm90_src_row(r, m.rows, gate_up)]);
+      free(blob);
+      free(rs);
+      mm_qmat_free(&m);
+    }
+  }
+}
+
+/* Extreme bytes: 0 (2^-127) and 254 (2^127) in the same matrix, tiny groups
+ * 14 below large ones, all-zero groups with wild exponents, a code-0.5-only
+ * group allowing a wider window. */
+static void test_g32_extremes(void) {
+  mm_qmat m;
+  CHECK(mm_qmat_alloc(&m, 64, 256, 32, MM_SF_UE8M0) == 0);
+  rand_codes(&m);
+  for (int r = 0; r < 64; r++)
+    for (int g = 0; g < 8; g++) {
+      uint8_t b;
+      switch (r % 4) {
+        case 0: b = g < 4 ? (g == 0 ? 254 : 254 - 14) : (g == 4 ? 14 : 0); break;
+        case 1: b = (uint8_t)(g % 2 ? 200 : 186); break;
+        case 2: b = (uint8_t)(g % 4 == 0 ? 1 : 15); break;
+        default: b = (uint8_t)(127 + (g % 3) * 5); break;
+      }
+      m.scales[(size_t)r * 8 + g] = b;
+    }
+  /* an all-zero group with a far-away exponent must not matter */
+  for (int k = 32; k < 64; k++) mm_fp4_set(m.codes + 5 * 128, (size_t)k, (k & 1) ? 8 : 0);
+  m.scales[5 * 8 + 1] = 3;
+  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 256));
+  float rs[64];
+  CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
+  int bad;
+  compare_all(&m, MM_WMODE_G32_FP8, 0, blob, &bad);
+  CHECK_EQ_INT(bad, 0);
+  free(blob);
+  mm_qmat_free(&m);
+}
+
+static void test_g32_refuses_unfoldable(void) {
+  mm_qmat m;
+  CHECK(mm_qmat_alloc(&m, 64, 128, 32, MM_SF_UE8M0) == 0);
+  for (size_t i = 0; i < 64 * 64; i++) m.codes[i] = 0x73; /* codes 3 (1.5) and 7 (6) */
+  for (size_t i = 0; i < 64 * 4; i++) m.scales[i] = 127;
+  m.scales[17 * 4 + 2] = 127 - 16; /* 1.5 * 2^-16 relative: cannot fold */
+  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 128));
+  float rs[64];
+  mm_err *e = mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL);
+  CHECK(e != NULL);
+  if (e) {
+    printf("# refused as expected: %s\n", e->message);
+    CHECK(e->code == MEGAMOE_CODE_INVALID_ARGUMENT);
+    CHECK(strstr(e->message, "row 17") != NULL);
+    megamoe_error_destroy(e);
+  }
+  m.scales[17 * 4 + 2] = 0xFF; /* NaN scale */
+  CHECK_ERR(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  /* wrong mode for the format */
+  CHECK_ERR(mm_sm90_pack_matrix(&m, MM_WMODE_G16_BF16_EXACT, 0, blob, rs, NULL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  free(blob);
+  mm_qmat_free(&m);
+}
+
+static void fill_g16(mm_qmat *m, int all_bytes) {
+  rand_codes(m);
+  for (size_t i = 0; i < (size_t)m->rows * (m->cols / 16); i++) {
+    uint8_t b;
+    do {
+      b = all_bytes ? (uint8_t)mm_test_rand_u64() : (uint8_t)(0x28 + mm_test_rand_u64() % 0x28);
+    } while (mm_e4m3_is_nan(b));
+    m->scales[i] = b;
+  }
+  for (int r = 0; r < m->rows; r++) m->row_scale[r] = mm_test_uniform(1e-3f, 1e-2f);
+}
+
+static void test_g16_modes(void) {
+  for (int all_bytes = 0; all_bytes < 2; all_bytes++)
+    for (int gate_up = 0; gate_up < 2; gate_up++) {
+      mm_qmat m;
+      CHECK(mm_qmat_alloc(&m, 128, 384, 16, MM_SF_E4M3) == 0);
+      fill_g16(&m, all_bytes);
+      uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, 128, 384));
+      float rs[128];
+      double fe[2];
+      CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, rs, fe));
+      int bad;
+      compare_all(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, &bad);
+      CHECK_EQ_INT(bad, 0);
+      CHECK(fe[0] == 0.0);
+      CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_FP8, gate_up, blob, rs, fe));
+      double rel = sqrt(fe[0] / fe[1]);
+      printf("# mode 3 fold error (%s scales, gate_up %d): %.4f relative Frobenius\n",
+             all_bytes ? "all E4M3" : "moderate", gate_up, rel);
+      /* E4M3 keeps 4 significant bits: per-element error <= 2^-4 relative
+       * unless the value underflows the window; Frobenius well under 5%. */
+      CHECK(rel < 0.05);
+      if (!all_bytes) {
+        double worst = compare_all(&m, MM_WMODE_G16_FP8, gate_up, blob, &bad);
+        CHECK(worst <= 1.0 / 16.0 + 1e-9);
+      }
+      free(blob);
+      mm_qmat_free(&m);
+    }
+}
+
+/* Bit-level: the word of thread t holds exactly its A-fragment elements. */
+static void test_slot_bijection(void) {
+  for (int mode = 1; mode <= 3; mode++) {
+    static uint8_t seen[4096 * 8];
+    memset(seen, 0, sizeof(seen));
+    int dup = 0, frag = 0;
+    for (int lr = 0; lr < 64; lr++)
+      for (int kk = 0; kk < 128; kk++) {
+        int off, mb, sb;
+        mm_sm90_code_slot((mm_weight_mode)mode, lr, kk, &off, &mb, &sb);
+        for (int b = 0; b < 3; b++) dup += seen[off * 8 + mb + b]++ != 0;
+        dup += seen[off * 8 + sb]++ != 0;
+        /* owner thread: 16-byte chunk index within its 2048-byte half */
+        int t = (off % 2048) / 16, w = t / 32, g = (t % 32) / 4, q = t % 4;
+        int rowok = lr == 16 * w + g || lr == 16 * w + g + 8;
+        int kq = mode == 2 ? (kk % 8) / 2 : (kk % 16) / 4;
+        frag += !(rowok && kq == q);
+      }
+    CHECK_EQ_INT(dup, 0);
+    CHECK_EQ_INT(frag, 0);
+  }
+}
+
+static void test_gate_up_order(void) {
+  const int I = 96 * 2, rows = 2 * I;
+  for (int c = 0; c < I; c++) {
+    CHECK_EQ_INT(mm_sm90_src_row(mm_sm90_gate_row(c), rows, 1), c);
+    CHECK_EQ_INT(mm_sm90_src_row(mm_sm90_gate_row(c) + 8, rows, 1), I + c);
+  }
+}
+
+int main(void) {
+  mm_test_seed();
+  RUN(test_slot_bijection);
+  RUN(test_gate_up_order);
+  RUN(test_g32_exact_random);
+  RUN(test_g32_extremes);
+  RUN(test_g32_refuses_unfoldable);
+  RUN(test_g16_modes);
+  return mm_test_done();
+}
