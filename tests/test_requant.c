@@ -9,7 +9,9 @@
 
 #include "formats.h"
 #include "harness.h"
+#include "prep_golden.h"
 #include "requant.h"
+#include "weights_load.h"
 
 static const double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 
@@ -268,6 +270,104 @@ static void test_qmat(void) {
   mm_qmat_free(&q);
 }
 
+/* ---- golden files ---------------------------------------------------------- */
+
+static int same_float_bits(float a, float b) {
+  uint32_t x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  return x == y || (isnan(a) && isnan(b));
+}
+
+static void test_golden_codecs(void) {
+  mm_st_file *f = golden_open("codecs.safetensors");
+  CHECK(f != NULL);
+  if (!f) return;
+  const mm_st_tensor *t = NULL;
+  uint8_t *c = golden_read(f, "e2m1.code", &t);
+  float *v = golden_read(f, "e2m1.value", NULL);
+  CHECK(c && v);
+  for (uint64_t i = 0; c && v && i < t->nelems; i++)
+    CHECK_MSG(same_float_bits(mm_e2m1_to_float(c[i]), v[i]), "e2m1 code %u", c[i]);
+  free(c), free(v);
+  c = golden_read(f, "e4m3.code", &t);
+  v = golden_read(f, "e4m3.value", NULL);
+  CHECK(c && v && t->nelems == 256);
+  for (uint64_t i = 0; c && v && i < t->nelems; i++)
+    CHECK_MSG(same_float_bits(mm_e4m3_to_float(c[i]), v[i]), "e4m3 byte 0x%02x", c[i]);
+  free(c), free(v);
+  float *in = golden_read(f, "e2m1_rne.input", &t);
+  c = golden_read(f, "e2m1_rne.code", NULL);
+  CHECK(in && c);
+  int bad = 0;
+  for (uint64_t i = 0; in && c && i < t->nelems; i++) {
+    float x = in[i] > 6.0f ? 6.0f : in[i] < -6.0f ? -6.0f : in[i]; /* README: clipped first */
+    if (mm_requant_e2m1_rne(x) != c[i] && bad++ < 5)
+      printf("# e2m1_rne(%a) = %u, golden %u\n", (double)in[i], mm_requant_e2m1_rne(x), c[i]);
+  }
+  CHECK_EQ_INT(bad, 0);
+  printf("# codecs: %llu rne inputs\n", (unsigned long long)(t ? t->nelems : 0));
+  free(in), free(c);
+  mm_st_close(f);
+}
+
+/* Every requant golden file: the loader's format detection, the source
+ * values (src.dequant), the requantized bytes (dst.*), the dequantized result
+ * (dst.dequant) and the recorded relative RMS error. */
+static void test_golden_requant(void) {
+  for (size_t fi = 0; fi < sizeof kGoldenRequantFiles / sizeof kGoldenRequantFiles[0]; fi++) {
+    mm_st_file *f = golden_open(kGoldenRequantFiles[fi]);
+    CHECK(f != NULL);
+    if (!f) continue;
+    const mm_st_tensor *tw = NULL, *ts = NULL, *tg = NULL, *tdw = NULL, *tds = NULL;
+    uint8_t *w = golden_read(f, "src.weight", &tw), *sc = golden_read(f, "src.weight_scale", &ts);
+    float *g = mm_st_find(f, "src.weight_scale_2") ? golden_read(f, "src.weight_scale_2", &tg) : NULL;
+    float *sdq = golden_read(f, "src.dequant", NULL), *ddq = golden_read(f, "dst.dequant", NULL);
+    uint8_t *dw = golden_read(f, "dst.weight", &tdw), *ds = golden_read(f, "dst.weight_scale", &tds);
+    CHECK(w && sc && sdq && ddq && dw && ds);
+    if (!(w && sc && sdq && ddq && dw && ds)) goto next;
+    mm_tensor_view vw = golden_view("src.weight", tw, w), vs = golden_view("src.weight_scale", ts, sc);
+    mm_tensor_view vg;
+    if (g) vg = golden_view("src.weight_scale_2", tg, g);
+    mm_proj_views pv = {&vw, &vs, g ? &vg : NULL, NULL};
+    mm_qmat q, d;
+    CHECK_OK(mm_weights_decode_proj("src", &pv, 0, 0, 0, 0, &q, NULL));
+    if (!q.codes) goto next;
+    int N = q.rows, K = q.cols;
+    CHECK(q.gran == 16 && q.sf == (ts->dtype == MM_ST_F8_E4M3 ? MM_SF_E4M3 : MM_SF_UE8M0));
+    int bad = 0;
+    for (int r = 0; r < N; r++)
+      for (int k = 0; k < K; k++) {
+        float v = mm_qmat_weight(&q, r, k) * q.row_scale[r];
+        bad += !same_float_bits(v, sdq[(size_t)r * (size_t)K + (size_t)k]);
+      }
+    CHECK_MSG(bad == 0, "%s: %d source values differ from src.dequant", kGoldenRequantFiles[fi], bad);
+    mm_requant_stats st;
+    CHECK_OK(mm_requant_qmat(&q, 0, &d, &st));
+    if (d.codes) {
+      CHECK(tdw->nbytes == (uint64_t)N * (uint64_t)K / 2 && tds->nbytes == (uint64_t)N * (uint64_t)K / 32);
+      CHECK_MSG(memcmp(d.codes, dw, (size_t)N * (size_t)K / 2) == 0, "%s: dst.weight differs",
+                kGoldenRequantFiles[fi]);
+      CHECK_MSG(memcmp(d.scales, ds, (size_t)N * (size_t)K / 32) == 0, "%s: dst.weight_scale differs",
+                kGoldenRequantFiles[fi]);
+      bad = 0;
+      for (int r = 0; r < N; r++)
+        for (int k = 0; k < K; k++)
+          bad += !same_float_bits(mm_qmat_weight(&d, r, k), ddq[(size_t)r * (size_t)K + (size_t)k]);
+      CHECK_MSG(bad == 0, "%s: %d values differ from dst.dequant", kGoldenRequantFiles[fi], bad);
+      const char *m = mm_st_metadata(f, "rel_rms_error");
+      if (m) CHECK_NEAR(st.rel_rms, strtod(m, NULL), 1e-6 * strtod(m, NULL));
+      printf("# %s [%d, %d]: rel RMS %.6f (metadata %s), max abs %.4g\n", kGoldenRequantFiles[fi],
+             N, K, st.rel_rms, m ? m : "-", st.max_abs);
+    }
+    mm_qmat_free(&d);
+    mm_qmat_free(&q);
+  next:
+    free(w), free(sc), free(g), free(sdq), free(ddq), free(dw), free(ds);
+    mm_st_close(f);
+  }
+}
+
 int main(void) {
   mm_test_seed();
   RUN(test_e2m1_rne);
@@ -276,5 +376,7 @@ int main(void) {
   RUN(test_edge_cases);
   RUN(test_errors);
   RUN(test_qmat);
+  RUN_GOLDEN(test_golden_codecs);
+  RUN_GOLDEN(test_golden_requant);
   return mm_test_done();
 }
