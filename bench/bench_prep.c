@@ -93,6 +93,13 @@ static void requant_both(layer_bufs *L, cudaStream_t st, int stats) {
 }
 static void step_requant_stats(void *p, cudaStream_t st) { requant_both(p, st, 1); }
 static void step_requant_nostats(void *p, cudaStream_t st) { requant_both(p, st, 0); }
+static void step_requant_simple(void *p, cudaStream_t st) {
+  layer_bufs *L = p;
+  OK(mm_gpu_requant_launch_simple(L->E * 2 * L->I, L->H, MM_SF_E4M3, L->c13, L->s13, L->rs13,
+                                  L->o_c13, L->o_s13, L->stats, L->status, st));
+  OK(mm_gpu_requant_launch_simple(L->E * L->H, L->I, MM_SF_E4M3, L->c2, L->s2, L->rs2, L->o_c2,
+                                  L->o_s2, L->stats, L->status, st));
+}
 
 /* Non-requant canonical prepare: validate scales (NaN scan), place codes and
  * scales into the canonical buffers. */
@@ -186,12 +193,15 @@ int main(int argc, char **argv) {
   } steps[] = {{"d2d copy (ceiling)", step_copy},
                {"requant g16->g32 + stats", step_requant_stats},
                {"requant g16->g32, no stats", step_requant_nostats},
+               {"requant, per-element kernel + stats", step_requant_simple},
                {"canonical, no requant (scan+place)", step_canonical},
                {"sm100 export (from g32)", step_sm100},
                {"requant + sm100 export", step_requant_sm100}};
   int nsteps = (int)(sizeof steps / sizeof steps[0]);
   float ms[8];
   for (int k = 0; k < nsteps; k++) ms[k] = time_ms(steps[k].fn, &L, st, reps);
+  step_requant_stats(&L, st); /* the outputs checked below come from the default kernel */
+  CU(cudaStreamSynchronize(st));
   uint32_t status;
   CU(cudaMemcpy(&status, L.status, 4, cudaMemcpyDeviceToHost));
   if (status != MM_GPU_STATUS_OK) fprintf(stderr, "bench_prep: unexpected non-finite data\n");

@@ -15,6 +15,7 @@ extern "C" {
 #include "status.h"
 }
 #include "prep.h"
+#include "prep_lut.h"
 
 #define MM_CUDA_TRY(call, what)                                                          \
   do {                                                                                   \
@@ -68,24 +69,63 @@ __device__ __forceinline__ uint32_t e2m1_rne(float x) {
 
 // ---- requant ------------------------------------------------------------------
 
-// One warp per row: lane l handles groups l, l + 32, ... in order (the next
-// group's bytes are loaded before the current one is computed), then a fixed
-// shuffle tree reduces the row statistics (deterministic).
-//
-// The group maximum needs no per-element pass: rounding is monotonic, so
-// max|f32(f32(e2m1 * s16) * rs)| = f32(f32(max|e2m1| * |s16|) * |rs|) per
-// half-group; the same holds for non-finite detection (NaN scale, overflow).
-__device__ __forceinline__ uint32_t max_mag_code(uint32_t w0, uint32_t w1) {
-  uint32_t m = 0;
+// The reference variant: every element on its own (same formula as the CPU).
+// Same contract as mm_lut_requant_group (prep_lut.h).
+template <bool kE4M3, bool kStats>
+__device__ __forceinline__ uint32_t simple_group(const uint32_t w[4], uint32_t s2, float rs,
+                                                 uint32_t o[4], float st[3], int *bad) {
+  float s16[2];
+  s16[0] = kE4M3 ? e4m3_value(s2 & 0xFFu) : ue8m0_value(s2 & 0xFFu);
+  s16[1] = kE4M3 ? e4m3_value((s2 >> 8) & 0xFFu) : ue8m0_value((s2 >> 8) & 0xFFu);
+  // Group maximum and finiteness from the largest magnitude of each half
+  // (rounding is monotonic), then one pass over the elements.
+  const float ars = fabsf(rs);
+  float amax = 0.0f;
+  *bad = 0;
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
-    m = max(m, (w0 >> (4 * i)) & 7u);
-    m = max(m, (w1 >> (4 * i)) & 7u);
+  for (int h = 0; h < 2; h++) {
+    float m = __fmul_rn(__fmul_rn(mm_lut_e2m1_mag(mm_lut_max_mag(w[2 * h], w[2 * h + 1])),
+                                  fabsf(s16[h])),
+                        ars);
+    *bad |= (__float_as_uint(m) & 0x7F800000u) == 0x7F800000u;
+    amax = fmaxf(amax, m);
   }
-  return m;
+  if (*bad) return 0;
+  const uint32_t b = amax == 0.0f ? 127u : exp_byte(__float_as_uint(amax));
+  const float inv = __uint_as_float(b == 254u ? 0x00400000u : (254u - b) << 23);  // 2^(127-b)
+  // One 8-element word at a time (keeps register pressure low).
+#pragma unroll 1
+  for (int k = 0; k < 4; k++) {
+    const uint32_t wk = k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
+    const float sk = k < 2 ? s16[0] : s16[1];
+    uint32_t ok = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const uint32_t c = (wk >> (4 * i)) & 0xFu;
+      const float v = __fmul_rn(__fmul_rn(e2m1_value(c), sk), rs);
+      const float x = __fmul_rn(v, inv);
+      const uint32_t oc = e2m1_rne(x);
+      ok |= oc << (4 * i);
+      if (kStats) {
+        const float e = __fsub_rn(fabsf(x), mm_lut_e2m1_mag(oc & 7u));  // exact: same grid
+        st[0] = __fmaf_rn(x, x, st[0]);
+        st[1] = __fmaf_rn(e, e, st[1]);
+        st[2] = fmaxf(st[2], fabsf(e));
+      }
+    }
+    if (k == 0) o[0] = ok;
+    else if (k == 1) o[1] = ok;
+    else if (k == 2) o[2] = ok;
+    else o[3] = ok;
+  }
+  return b;
 }
 
-template <bool kE4M3, bool kStats>
+// One warp per row: lane l handles groups l, l + 32, ... in order (the next
+// group's bytes are loaded before the current one is computed), then a fixed
+// shuffle tree reduces the row statistics (deterministic). kLut picks the
+// lookup-table group routine (prep_lut.h) or the per-element one.
+template <bool kE4M3, bool kStats, bool kLut>
 __global__ void __launch_bounds__(kRequantThreads)
     requant_kernel(int rows, int cols, const uint8_t *__restrict__ codes,
                    const uint8_t *__restrict__ scales, const float *__restrict__ row_scale,
@@ -95,7 +135,7 @@ __global__ void __launch_bounds__(kRequantThreads)
   const int row = blockIdx.x * (kRequantThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int groups = cols / 32;
-  const float rs = row_scale ? row_scale[row] : 1.0f, ars = fabsf(rs);
+  const float rs = row_scale ? row_scale[row] : 1.0f;
   const size_t row_codes = (size_t)row * (size_t)(cols / 2);
   const uint4 *in = reinterpret_cast<const uint4 *>(codes + row_codes);
   const uint16_t *sc =
@@ -118,60 +158,22 @@ __global__ void __launch_bounds__(kRequantThreads)
       s_next = __ldg(sc + g + 32);
     }
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    float s16[2];
-    s16[0] = kE4M3 ? e4m3_value(s2 & 0xFFu) : ue8m0_value(s2 & 0xFFu);
-    s16[1] = kE4M3 ? e4m3_value(s2 >> 8) : ue8m0_value(s2 >> 8);
-    float hmax[2];
-    uint32_t bad = 0;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      float m = __fmul_rn(__fmul_rn(e2m1_value(max_mag_code(w[2 * h], w[2 * h + 1])),
-                                    fabsf(s16[h])),
-                          ars);
-      bad |= (__float_as_uint(m) & 0x7F800000u) == 0x7F800000u;
-      hmax[h] = m;
-    }
+    uint32_t o[4] = {0, 0, 0, 0};
+    float st[3] = {0.0f, 0.0f, 0.0f};
+    int bad;
+    const uint32_t b = kLut ? mm_lut_requant_group(w, s2, kE4M3, rs, o, kStats, st, &bad)
+                            : simple_group<kE4M3, kStats>(w, s2, rs, o, st, &bad);
     if (bad) {
       atomicMin(status, (uint32_t)((size_t)row * (size_t)groups + (size_t)g));
       continue;
-    }
-    const float amax = fmaxf(hmax[0], hmax[1]);
-    const uint32_t b = amax == 0.0f ? 127u : exp_byte(__float_as_uint(amax));
-    const float inv = __uint_as_float(b == 254u ? 0x00400000u : (254u - b) << 23);  // 2^(127-b)
-    uint32_t o[4] = {0, 0, 0, 0};
-    float es2 = 0.0f, xs2 = 0.0f, emax = 0.0f;
-    // One 8-element word at a time (keeps register pressure low).
-#pragma unroll 1
-    for (int k = 0; k < 4; k++) {
-      const uint32_t wk = k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
-      const float sk = k < 2 ? s16[0] : s16[1];
-      uint32_t ok = 0;
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const uint32_t c = (wk >> (4 * i)) & 0xFu;
-        const float v = __fmul_rn(__fmul_rn(e2m1_value(c), sk), rs);
-        const float x = __fmul_rn(v, inv);
-        const uint32_t oc = e2m1_rne(x);
-        ok |= oc << (4 * i);
-        if (kStats) {
-          const float e = __fsub_rn(x, e2m1_value(oc));  // exact: x and the code share a grid
-          es2 = __fmaf_rn(e, e, es2);
-          xs2 = __fmaf_rn(x, x, xs2);
-          emax = fmaxf(emax, fabsf(e));
-        }
-      }
-      if (k == 0) o[0] = ok;
-      else if (k == 1) o[1] = ok;
-      else if (k == 2) o[2] = ok;
-      else o[3] = ok;
     }
     out[g] = make_uint4(o[0], o[1], o[2], o[3]);
     so[g] = (uint8_t)b;
     if (kStats) {
       const int E = (int)b - 127;
-      src_sq += ldexp((double)xs2, 2 * E);
-      err_sq += ldexp((double)es2, 2 * E);
-      max_abs = fmax(max_abs, ldexp((double)emax, E));
+      src_sq += ldexp((double)st[0], 2 * E);
+      err_sq += ldexp((double)st[1], 2 * E);
+      max_abs = fmax(max_abs, ldexp((double)st[2], E));
     }
   }
 
@@ -266,11 +268,11 @@ int grid_for(size_t work, int threads) {
 
 }  // namespace
 
-extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
-                                         const uint8_t *codes, const uint8_t *scales,
-                                         const float *row_scale, uint8_t *codes_out,
-                                         uint8_t *scales_out, double *row_stats,
-                                         uint32_t *status, void *stream) {
+template <bool kLut>
+static mm_err *requant_launch(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
+                              const uint8_t *scales, const float *row_scale, uint8_t *codes_out,
+                              uint8_t *scales_out, double *row_stats, uint32_t *status,
+                              void *stream) {
   MM_ARG_CHECK(rows >= 0 && cols >= 0 && cols % 32 == 0,
                "gpu requant: shape [%d, %d] needs K %% 32 == 0", rows, cols);
   MM_ARG_CHECK(sf == MM_SF_E4M3 || sf == MM_SF_UE8M0, "gpu requant: scale format %d", (int)sf);
@@ -285,27 +287,45 @@ extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
       block(kRequantThreads);
   if (sf == MM_SF_E4M3) {
     if (row_stats)
-      requant_kernel<true, true><<<grid, block, 0, st>>>(rows, cols, codes, scales, row_scale,
-                                                         codes_out, scales_out, row_stats, status);
+      requant_kernel<true, true, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, row_stats, status);
     else
-      requant_kernel<true, false><<<grid, block, 0, st>>>(rows, cols, codes, scales, row_scale,
-                                                          codes_out, scales_out, NULL, status);
+      requant_kernel<true, false, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, NULL, status);
   } else {
     if (row_stats)
-      requant_kernel<false, true><<<grid, block, 0, st>>>(rows, cols, codes, scales, row_scale,
-                                                          codes_out, scales_out, row_stats, status);
+      requant_kernel<false, true, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, row_stats, status);
     else
-      requant_kernel<false, false><<<grid, block, 0, st>>>(rows, cols, codes, scales, row_scale,
-                                                           codes_out, scales_out, NULL, status);
+      requant_kernel<false, false, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, NULL, status);
   }
   MM_CUDA_TRY(cudaGetLastError(), "gpu requant: launch");
   return NULL;
 }
 
-extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
-                                  const uint8_t *scales, const float *row_scale,
-                                  uint8_t *codes_out, uint8_t *scales_out,
-                                  mm_requant_stats *stats, void *stream) {
+extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
+                                         const uint8_t *codes, const uint8_t *scales,
+                                         const float *row_scale, uint8_t *codes_out,
+                                         uint8_t *scales_out, double *row_stats,
+                                         uint32_t *status, void *stream) {
+  return requant_launch<true>(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
+                              row_stats, status, stream);
+}
+
+extern "C" mm_err *mm_gpu_requant_launch_simple(int rows, int cols, mm_scale_format sf,
+                                                const uint8_t *codes, const uint8_t *scales,
+                                                const float *row_scale, uint8_t *codes_out,
+                                                uint8_t *scales_out, double *row_stats,
+                                                uint32_t *status, void *stream) {
+  return requant_launch<false>(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
+                               row_stats, status, stream);
+}
+
+static mm_err *requant_sync(int simple, int rows, int cols, mm_scale_format sf,
+                            const uint8_t *codes, const uint8_t *scales, const float *row_scale,
+                            uint8_t *codes_out, uint8_t *scales_out, mm_requant_stats *stats,
+                            void *stream) {
   if (stats) memset(stats, 0, sizeof(*stats));
   if (rows == 0 || cols == 0) return NULL;
   cudaStream_t st = (cudaStream_t)stream;
@@ -321,8 +341,8 @@ extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const 
                    cudaGetErrorString(ce));
     goto done;
   }
-  err = mm_gpu_requant_launch(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
-                              d_stats, d_status, stream);
+  err = (simple ? mm_gpu_requant_launch_simple : mm_gpu_requant_launch)(
+      rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, d_stats, d_status, stream);
   if (err) goto done;
   ce = cudaMemcpyAsync(&h_status, d_status, 4, cudaMemcpyDeviceToHost, st);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
@@ -357,6 +377,23 @@ done:
   cudaFree(d_stats);
   cudaFree(d_status);
   return err;
+}
+
+extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
+                                  const uint8_t *scales, const float *row_scale,
+                                  uint8_t *codes_out, uint8_t *scales_out,
+                                  mm_requant_stats *stats, void *stream) {
+  return requant_sync(0, rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, stats,
+                      stream);
+}
+
+extern "C" mm_err *mm_gpu_requant_simple(int rows, int cols, mm_scale_format sf,
+                                         const uint8_t *codes, const uint8_t *scales,
+                                         const float *row_scale, uint8_t *codes_out,
+                                         uint8_t *scales_out, mm_requant_stats *stats,
+                                         void *stream) {
+  return requant_sync(1, rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, stats,
+                      stream);
 }
 
 extern "C" mm_err *mm_gpu_scan_scales_launch(const uint8_t *scales, size_t n, mm_scale_format sf,

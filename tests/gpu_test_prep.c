@@ -46,7 +46,10 @@ static void requant_case(int rows, int cols, mm_scale_format sf, int with_rs, in
   for (size_t i = 0; i < cb; i++) codes[i] = (uint8_t)mm_test_rand_u64();
   for (size_t i = 0; i < s16; i++)
     scales[i] = sf == MM_SF_E4M3 ? rand_e4m3() : (uint8_t)(mm_test_rand_u64() % 240);
-  for (int r = 0; with_rs && r < rows; r++) rs[r] = mm_test_uniform(1e-4f, 4.0f);
+  for (int r = 0; with_rs && r < rows; r++)
+    rs[r] = (r % 5 == 3 ? -1.0f : 1.0f) * mm_test_uniform(1e-4f, 4.0f); /* some negative */
+  if (sf == MM_SF_E4M3)
+    for (size_t i = 0; i < s16; i += 7) scales[i] |= 0x80; /* negative group scales */
   if (edges && rows >= 4) {
     memset(codes, 0, (size_t)cols / 2);                   /* zero row */
     memset(codes + cols / 2, 0x88, (size_t)cols / 2);     /* -0 row */
@@ -71,15 +74,26 @@ static void requant_case(int rows, int cols, mm_scale_format sf, int with_rs, in
   CU(cudaMemcpy(gs, d_os, s32, cudaMemcpyDeviceToHost));
   CHECK_MSG(memcmp(gc, cc, cb) == 0, "codes differ [%d, %d] sf %d", rows, cols, (int)sf);
   CHECK_MSG(memcmp(gs, cs, s32) == 0, "scales differ [%d, %d] sf %d", rows, cols, (int)sf);
-  CHECK_NEAR(gst.rel_rms, cst.rel_rms, 1e-5 * (cst.rel_rms + 1e-30));
-  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * (cst.max_abs + 1e-30));
+  CHECK_NEAR(gst.rel_rms, cst.rel_rms, 1e-5 * cst.rel_rms + 1e-12);
+  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * cst.max_abs);
   CHECK_EQ_INT(gst.count, cst.count);
 
-  /* Without stats: same bytes. */
-  CU(cudaMemset(d_oc, 0x5A, cb));
-  CHECK_OK(mm_gpu_requant(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os, NULL, NULL));
-  CU(cudaMemcpy(gc, d_oc, cb, cudaMemcpyDeviceToHost));
-  CHECK(memcmp(gc, cc, cb) == 0);
+  /* Without stats, and the per-element reference kernel: same bytes. */
+  for (int variant = 0; variant < 3; variant++) {
+    CU(cudaMemset(d_oc, 0x5A, cb));
+    CU(cudaMemset(d_os, 0x5A, s32));
+    mm_requant_stats vst;
+    if (variant == 0)
+      CHECK_OK(mm_gpu_requant(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os, NULL, NULL));
+    else
+      CHECK_OK(mm_gpu_requant_simple(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os,
+                                     variant == 2 ? &vst : NULL, NULL));
+    CU(cudaMemcpy(gc, d_oc, cb, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(gs, d_os, s32, cudaMemcpyDeviceToHost));
+    CHECK_MSG(memcmp(gc, cc, cb) == 0 && memcmp(gs, cs, s32) == 0, "variant %d [%d, %d] sf %d",
+              variant, rows, cols, (int)sf);
+    if (variant == 2) CHECK_NEAR(vst.rel_rms, cst.rel_rms, 1e-5 * cst.rel_rms + 1e-12);
+  }
 
   cudaFree(d_codes), cudaFree(d_scales), cudaFree(d_rs), cudaFree(d_oc), cudaFree(d_os);
   free(codes), free(scales), free(rs), free(cc), free(cs), free(gc), free(gs);

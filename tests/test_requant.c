@@ -10,6 +10,7 @@
 #include "formats.h"
 #include "harness.h"
 #include "prep_golden.h"
+#include "prep_lut.h"
 #include "requant.h"
 #include "weights_load.h"
 
@@ -270,6 +271,78 @@ static void test_qmat(void) {
   mm_qmat_free(&q);
 }
 
+/* The GPU kernel's lookup-table formulation (kernels/prep_lut.h), run here on
+ * the CPU: same bytes as the reference on random data with negative scales
+ * and row factors, subnormal and extreme scales, zeros; stats close. */
+static void lut_compare(const mm_g16_source *s) {
+  size_t cb = (size_t)s->rows * (size_t)s->cols / 2, sb = (size_t)s->rows * (size_t)s->cols / 32;
+  uint8_t *rc = malloc(cb), *rsb = malloc(sb), *lc = malloc(cb), *ls = malloc(sb);
+  mm_requant_stats ref;
+  mm_err *e = mm_requant_g16_to_g32(s, rc, rsb, 1, &ref);
+  int ref_bad = e != NULL, lut_bad = 0;
+  mm_error_free(e);
+  double xs = 0, es = 0, em = 0;
+  for (int r = 0; r < s->rows && !lut_bad; r++) {
+    float rs = s->row_scale ? s->row_scale[r] : 1.0f;
+    for (int g = 0; g < s->cols / 32 && !lut_bad; g++) {
+      const uint8_t *in = s->codes + (size_t)r * (size_t)(s->cols / 2) + 16 * (size_t)g;
+      const uint8_t *sc = s->scales + (size_t)r * (size_t)(s->cols / 16) + 2 * (size_t)g;
+      uint32_t w[4], out[4];
+      memcpy(w, in, 16); /* little-endian: element 8k+i in nibble i of word k */
+      float st[3] = {0, 0, 0};
+      int bad;
+      uint32_t b = mm_lut_requant_group(w, (uint32_t)sc[0] | ((uint32_t)sc[1] << 8),
+                                        s->sf == MM_SF_E4M3, rs, out, 1, st, &bad);
+      if (bad) {
+        lut_bad = 1;
+        break;
+      }
+      memcpy(lc + (size_t)r * (size_t)(s->cols / 2) + 16 * (size_t)g, out, 16);
+      ls[(size_t)r * (size_t)(s->cols / 32) + (size_t)g] = (uint8_t)b;
+      int E = (int)b - 127;
+      xs += ldexp((double)st[0], 2 * E);
+      es += ldexp((double)st[1], 2 * E);
+      em = fmax(em, ldexp((double)st[2], E));
+    }
+  }
+  CHECK_EQ_INT(lut_bad, ref_bad);
+  if (!ref_bad && !lut_bad) {
+    CHECK_MSG(memcmp(lc, rc, cb) == 0, "LUT codes differ [%d, %d] sf %d", s->rows, s->cols, (int)s->sf);
+    CHECK_MSG(memcmp(ls, rsb, sb) == 0, "LUT scales differ [%d, %d]", s->rows, s->cols);
+    double rel = xs > 0 ? sqrt(es / xs) : 0;
+    /* Errors of subnormal-range values are lost in the GPU's 2^E units. */
+    CHECK_NEAR(rel, ref.rel_rms, 1e-5 * ref.rel_rms + 1e-12);
+    CHECK_NEAR(em, ref.max_abs, 1e-6 * ref.max_abs + 1e-30 * ref.max_abs);
+  }
+  free(rc), free(rsb), free(lc), free(ls);
+}
+
+static void test_lut_formulation(void) {
+  static const int shapes[][2] = {{1, 32}, {3, 96}, {7, 160}, {33, 2048}, {16, 6144}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+    for (int sf = 1; sf <= 2; sf++) {
+      rand_src x;
+      make_src(&x, shapes[i][0], shapes[i][1], (mm_scale_format)sf, 1);
+      int n16 = shapes[i][0] * shapes[i][1] / 16;
+      for (int k = 0; k < n16; k++) {
+        uint64_t u = mm_test_rand_u64();
+        if (sf == 1) x.scales[k] = (uint8_t)(rand_e4m3_scale() | (u % 4 == 0 ? 0x80 : 0)); /* signs */
+        else x.scales[k] = (uint8_t)(u % 7 == 0 ? u % 3 : u % 5 == 0 ? 250 - u % 3 : 90 + u % 60);
+        if (u % 13 == 0) memset(x.codes + 8 * (size_t)k, (int)(u >> 8) & 0x88, 8); /* zeros, -0 */
+      }
+      for (int r = 0; r < shapes[i][0]; r++) {
+        uint64_t u = mm_test_rand_u64();
+        x.rs[r] = (u % 3 == 0 ? -1.0f : 1.0f) * (sf == 2 ? ldexpf(1.0f, (int)(u % 5) - 2)
+                                                          : mm_test_uniform(1e-6f, 8.0f));
+        if (u % 11 == 0) x.rs[r] = 1e-38f; /* subnormal products */
+      }
+      lut_compare(&x.s);
+      x.scales[0] = sf == 1 ? 0xFF : 0xFF; /* NaN: both must refuse */
+      lut_compare(&x.s);
+      free_src(&x);
+    }
+}
+
 /* ---- golden files ---------------------------------------------------------- */
 
 static int same_float_bits(float a, float b) {
@@ -376,6 +449,7 @@ int main(void) {
   RUN(test_edge_cases);
   RUN(test_errors);
   RUN(test_qmat);
+  RUN(test_lut_formulation);
   RUN_GOLDEN(test_golden_codecs);
   RUN_GOLDEN(test_golden_requant);
   return mm_test_done();
