@@ -55,7 +55,8 @@ void mm_config_defaults(mm_config *cfg);
  * NUL-terminated; `name` is used in messages, default "<text>"). Exactly one of
  * path / text. Applies overrides last, then validates cross-field rules.
  * Errors are INVALID_ARGUMENT (NOT_FOUND for a missing file) with messages
- * "FILE:LINE:COL: what is wrong" (overrides report "override KEY: ..."). */
+ * "FILE:LINE:COL: what is wrong" (overrides report "override 'KEY': ...").
+ * On error `out` is left unchanged. Reference: docs/CONFIG.md. */
 mm_err *mm_config_load(const char *path, const char *text, size_t len,
                        const char *name, const mm_config_override *overrides,
                        size_t num_overrides, mm_config *out);
@@ -65,5 +66,21 @@ const char *mm_requant_policy_name(mm_requant_policy p);
 const char *mm_compute_mode_name(mm_compute_mode m);
 const char *mm_dispatch_mode_name(mm_dispatch_mode m);
 const char *mm_backend_name(mm_backend_kind b);
+const char *mm_log_level_name(int level); /* "error" .. "debug" */
+
+/* Parsing limits: larger inputs fail with a FILE:LINE:COL error. */
+#define MM_CONFIG_MAX_BYTES (4u << 20) /* file or text size */
+#define MM_CONFIG_MAX_DEPTH 16         /* nested collections */
+#define MM_CONFIG_MAX_KEY 128          /* bytes in one key */
+#define MM_CONFIG_MAX_SCALAR 4096      /* bytes in one value */
+
+/* The known keys, in table order (dotted kebab-case); NULL past the end.
+ * Lets tests check that conf/megamoe.yaml and docs/CONFIG.md cover them. */
+const char *mm_config_key_name(size_t i);
+
+/* Writes `cfg` as a YAML document that mm_config_load reads back to the
+ * same values (every key, one per line). Returns the length it needs, like
+ * snprintf; writes at most `size` bytes including the NUL. */
+size_t mm_config_format(const mm_config *cfg, char *buf, size_t size);
 
 #endif

@@ -1,0 +1,495 @@
+/* op.c -- the megamoe_fp4 op table: argument checks at the ABI boundary, the
+ * lifecycle (create -> prepare -> plan -> execute -> destroy), the registry
+ * of live handles (so stale or foreign handles are refused, not followed),
+ * and dispatch to the chosen backend. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "dltensor.h"
+#include "op_api.h"
+#include "weights_load.h"
+
+#define MM_MAX_LAYERS 4096
+#define MM_MAX_WEIGHT_TENSORS (1 << 20)
+
+/* ---- live-handle registry ------------------------------------------------- */
+static uv_once_t g_registry_once = UV_ONCE_INIT;
+static uv_mutex_t g_registry_lock;
+static mm_op **g_live;
+static size_t g_live_count, g_live_cap;
+
+static void registry_init(void) { uv_mutex_init(&g_registry_lock); }
+
+static int registry_add(mm_op *op) {
+  uv_once(&g_registry_once, registry_init);
+  uv_mutex_lock(&g_registry_lock);
+  int ok = 1;
+  if (g_live_count == g_live_cap) {
+    size_t cap = g_live_cap ? g_live_cap * 2 : 16;
+    mm_op **grown = realloc(g_live, cap * sizeof *grown);
+    if (grown) { g_live = grown; g_live_cap = cap; } else ok = 0;
+  }
+  if (ok) g_live[g_live_count++] = op;
+  uv_mutex_unlock(&g_registry_lock);
+  return ok;
+}
+
+/* Removes op; returns 1 if it was live. */
+static int registry_remove(mm_op *op) {
+  uv_once(&g_registry_once, registry_init);
+  uv_mutex_lock(&g_registry_lock);
+  int found = 0;
+  for (size_t i = 0; i < g_live_count; i++)
+    if (g_live[i] == op) {
+      g_live[i] = g_live[--g_live_count];
+      found = 1;
+      break;
+    }
+  uv_mutex_unlock(&g_registry_lock);
+  return found;
+}
+
+static int registry_has(const mm_op *op) {
+  uv_once(&g_registry_once, registry_init);
+  uv_mutex_lock(&g_registry_lock);
+  int found = 0;
+  for (size_t i = 0; i < g_live_count && !found; i++) found = g_live[i] == op;
+  uv_mutex_unlock(&g_registry_lock);
+  return found;
+}
+
+static void op_free(mm_op *op);
+
+void mm_op_registry_shutdown(void) {
+  uv_once(&g_registry_once, registry_init);
+  for (;;) {
+    uv_mutex_lock(&g_registry_lock);
+    mm_op *op = g_live_count ? g_live[--g_live_count] : NULL;
+    uv_mutex_unlock(&g_registry_lock);
+    if (!op) break;
+    mm_log(MEGAMOE_LOG_WARN, "finalize: destroying an op the host did not destroy");
+    op_free(op);
+  }
+  free(g_live);
+  g_live = NULL;
+  g_live_count = g_live_cap = 0;
+}
+
+/* ---- common checks -------------------------------------------------------- */
+#define CHECK_ARGS(args, type_size, fn)                                                      \
+  do {                                                                                       \
+    if (!mm_plugin_initialized())                                                            \
+      return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,                                      \
+                      fn ": the plugin is not initialized (or was finalized)");              \
+    if (!(args)) return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, fn ": args is NULL");        \
+    if ((args)->struct_size < (type_size))                                                   \
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,                                         \
+                      fn ": args->struct_size %zu is smaller than the ABI 1.0 size %zu",     \
+                      (args)->struct_size, (size_t)(type_size));                             \
+  } while (0)
+
+static mm_err *check_op(const mm_op *op, const char *fn) {
+  if (!op) return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: op is NULL", fn);
+  if (!registry_has(op))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s: op handle is not a live op (destroyed, or not made by this plugin)", fn);
+  if (op->state == MM_OP_FATAL)
+    return mm_error(MEGAMOE_CODE_ABORTED, "%s: op is in a fatal state after an earlier error (%s); "
+                    "destroy and re-create it", fn, op->fatal_message);
+  return NULL;
+}
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- get_attributes ------------------------------------------------------- */
+static megamoe_error *op_get_attributes(megamoe_op_attributes_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_ATTRIBUTES_ARGS_STRUCT_SIZE, "get_attributes");
+  args->capabilities = MEGAMOE_CAP_DETERMINISTIC | MEGAMOE_CAP_BACKEND_CPU;
+  args->gran_k_mask = MEGAMOE_GRAN_K_16 | MEGAMOE_GRAN_K_32;
+  args->compute_modes = 0x3u;
+  args->num_sm_versions = 0;
+  args->num_cuda_devices = 0;
+#ifdef MM_HAVE_CUDA
+  args->num_cuda_devices = mm_cuda_device_count();
+  args->num_sm_versions = 1;
+  args->sm_versions[0] = 90;
+  if (args->num_cuda_devices > 0)
+    args->capabilities |= MEGAMOE_CAP_BACKEND_CUDA | MEGAMOE_CAP_GRAPH_CAPTURABLE;
+#endif
+#ifdef MM_HAVE_NCCL
+  args->capabilities |= MEGAMOE_CAP_NCCL;
+#endif
+  args->build_info = "megamoe 0.1.0"
+#ifdef MM_HAVE_CUDA
+                     " cuda sm_" MM_CUDA_ARCHS
+#else
+                     " cpu-only"
+#endif
+#ifdef MM_HAVE_NCCL
+                     " nccl"
+#endif
+      ;
+  return NULL;
+}
+
+/* ---- create --------------------------------------------------------------- */
+static const mm_backend_ops *choose_backend(const mm_config *cfg, int device, mm_err **err) {
+  int gpus = 0;
+#ifdef MM_HAVE_CUDA
+  gpus = mm_cuda_device_count();
+#endif
+  switch (cfg->backend) {
+    case MM_BACKEND_CPU_REFERENCE:
+      return &mm_backend_cpu;
+    case MM_BACKEND_CUDA:
+#ifdef MM_HAVE_CUDA
+      if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
+      *err = mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                      "backend 'cuda' requested, but device %d is not one of the %d visible GPUs",
+                      device, gpus);
+#else
+      *err = mm_error(MEGAMOE_CODE_UNIMPLEMENTED,
+                      "backend 'cuda' requested, but this plugin was built without CUDA");
+#endif
+      return NULL;
+    default:
+#ifdef MM_HAVE_CUDA
+      if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
+#endif
+      (void)gpus;
+      return &mm_backend_cpu;
+  }
+}
+
+/* Checks the create args and loads the config (shared by create and
+ * validate_config). */
+static mm_err *load_create_config(const megamoe_op_create_args *args, mm_config *cfg) {
+  if ((args->config_path == NULL) == (args->config_text == NULL))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "create: give exactly one of config_path and config_text");
+  if (args->num_overrides > 0 && !args->overrides)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "create: overrides is NULL");
+  if (args->num_overrides > 1024)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "create: more than 1024 overrides");
+  for (size_t i = 0; i < args->num_overrides; i++)
+    if (!args->overrides[i].key || !args->overrides[i].value)
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "create: override %zu has a NULL key or value", i);
+  if (args->comm_key && strlen(args->comm_key) >= sizeof(((mm_op *)0)->comm_key))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "create: comm_key is longer than %zu bytes",
+                    sizeof(((mm_op *)0)->comm_key) - 1);
+
+  MM_TRY(mm_config_load(args->config_path, args->config_text, args->config_text_len,
+                        args->config_name, (const mm_config_override *)args->overrides,
+                        args->num_overrides, cfg));
+  if (args->rank < 0 || args->rank >= cfg->ep_size)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "create: rank %d is outside [0, ep-size %d)",
+                    args->rank, cfg->ep_size);
+  return NULL;
+}
+
+static megamoe_error *op_validate_config(megamoe_op_create_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE, "validate_config");
+  args->op = NULL;
+  mm_config cfg;
+  return load_create_config(args, &cfg);
+}
+
+static megamoe_error *op_create(megamoe_op_create_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE, "create");
+  args->op = NULL;
+  mm_op *op = calloc(1, sizeof *op);
+  if (!op) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "create: out of host memory");
+  mm_err *err = load_create_config(args, &op->cfg);
+  if (err) {
+    free(op);
+    return err;
+  }
+  op->device = args->device;
+  op->rank = args->rank;
+  op->ep_size = op->cfg.ep_size;
+  op->num_local_experts = op->cfg.model.num_experts / op->ep_size;
+  op->first_local_expert = op->rank * op->num_local_experts;
+  op->host_nccl_comm = args->nccl_comm;
+  snprintf(op->comm_key, sizeof op->comm_key, "%s", args->comm_key ? args->comm_key : "megamoe");
+  op->backend = choose_backend(&op->cfg, op->device, &err);
+  if (!op->backend) goto fail;
+  if (op->backend == &mm_backend_cpu && op->ep_size != 1) {
+    err = mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                   "create: the cpu-reference backend runs one rank that owns every expert; "
+                   "ep-size is %d (set ep-size: 1, or use the cuda backend)",
+                   op->ep_size);
+    goto fail;
+  }
+  if ((err = op->backend->init(op))) {
+    op->backend->destroy(op);
+    goto fail;
+  }
+  if (!registry_add(op)) {
+    op->backend->destroy(op);
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "create: out of host memory");
+    goto fail;
+  }
+  mm_log(MEGAMOE_LOG_INFO,
+         "megamoe_fp4: backend %s, rank %d/%d, experts [%d, %d), hidden %d, intermediate %d, "
+         "top-%d",
+         op->backend->name, op->rank, op->ep_size, op->first_local_expert,
+         op->first_local_expert + op->num_local_experts, op->cfg.model.hidden_size,
+         op->cfg.model.moe_intermediate_size, op->cfg.model.top_k);
+  args->op = (megamoe_op *)op;
+  return NULL;
+fail:
+  free(op);
+  return mm_error_wrap(err, "create");
+}
+
+/* ---- prepare_weights ------------------------------------------------------ */
+void mm_experts_free(mm_expert_q *ex, int n) {
+  if (!ex) return;
+  for (int i = 0; i < n; i++) {
+    mm_qmat_free(&ex[i].w13);
+    mm_qmat_free(&ex[i].w2);
+  }
+  free(ex);
+}
+
+static void release_layer(mm_op *op, int layer) {
+  if (layer < 0 || layer >= op->num_layer_slots) return;
+  mm_layer_slot *s = &op->layers[layer];
+  if (s->ready && op->backend->release_layer) op->backend->release_layer(op, layer);
+  mm_experts_free(s->experts, op->num_local_experts);
+  memset(s, 0, sizeof *s);
+}
+
+static megamoe_error *op_prepare_weights(megamoe_op_prepare_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE, "prepare_weights");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "prepare_weights"));
+  double t0 = now_seconds();
+  if (args->layer < 0 || args->layer >= MM_MAX_LAYERS)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "prepare_weights: layer %d is outside [0, %d)",
+                    args->layer, MM_MAX_LAYERS);
+  if (args->num_tensors > 0 && !args->tensors)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "prepare_weights: tensors is NULL");
+  if (args->num_tensors > MM_MAX_WEIGHT_TENSORS)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "prepare_weights: %zu tensors is too many",
+                    args->num_tensors);
+  mm_err *err = NULL;
+  mm_requant_report report;
+  memset(&report, 0, sizeof report);
+  mm_tensor_view *views = calloc(args->num_tensors + 1, sizeof *views);
+  void **host_copies = calloc(args->num_tensors + 1, sizeof *host_copies);
+  mm_expert_q *experts = calloc((size_t)op->num_local_experts, sizeof *experts);
+  if (!views || !host_copies || !experts) {
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "out of host memory");
+    goto done;
+  }
+  for (size_t i = 0; i < args->num_tensors; i++) {
+    const megamoe_named_tensor *nt = &args->tensors[i];
+    if (!nt->name) {
+      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "tensor %zu has no name", i);
+      goto done;
+    }
+    int dev;
+    if ((err = mm_dltensor_view(nt->name, nt->tensor, &views[i], &dev))) goto done;
+    if (dev >= 0 && dev != op->device) {
+      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: on CUDA device %d, the op runs on %d",
+                     nt->name, dev, op->device);
+      goto done;
+    }
+    if (views[i].on_device) {
+      /* The canonical loader works on host memory: stage device tensors. */
+#ifdef MM_HAVE_CUDA
+      size_t nb = mm_tensor_nbytes(&views[i]);
+      host_copies[i] = malloc(nb + 1);
+      if (!host_copies[i]) {
+        err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of host memory", nt->name);
+        goto done;
+      }
+      if ((err = mm_cuda_copy_to_host(host_copies[i], views[i].data, nb, op->device))) goto done;
+      views[i].data = host_copies[i];
+      views[i].on_device = 0;
+#else
+      err = mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "%s: device tensors need the CUDA build", nt->name);
+      goto done;
+#endif
+    }
+  }
+  if ((err = mm_weights_load_layer(&op->cfg, views, args->num_tensors, op->first_local_expert,
+                                   op->num_local_experts, experts, &report)))
+    goto done;
+  int gran = experts[0].w13.gran;
+  if (op->resolved_gran_k && gran != op->resolved_gran_k) {
+    mm_experts_free(experts, op->num_local_experts);
+    experts = NULL;
+    err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                   "layer %d has gran-k %d after preparation, earlier layers have %d", args->layer,
+                   gran, op->resolved_gran_k);
+    goto done;
+  }
+  if (args->layer >= op->num_layer_slots) {
+    int n = args->layer + 1;
+    mm_layer_slot *grown = realloc(op->layers, (size_t)n * sizeof *grown);
+    if (!grown) {
+      err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "out of host memory");
+      goto done;
+    }
+    memset(grown + op->num_layer_slots, 0, (size_t)(n - op->num_layer_slots) * sizeof *grown);
+    op->layers = grown;
+    op->num_layer_slots = n;
+  }
+  release_layer(op, args->layer);
+  if ((err = op->backend->prepare_layer(op, args->layer, experts, op->num_local_experts,
+                                        args->stream))) {
+    release_layer(op, args->layer); /* nothing half-loaded stays */
+    experts = NULL;                 /* the backend freed what it took */
+    goto done;
+  }
+  op->layers[args->layer].ready = 1;
+  experts = NULL; /* owned by the layer slot / backend now */
+  op->resolved_gran_k = gran;
+  double worst_rel = 0, worst_abs = 0;
+  for (int i = 0; i < report.num_tensors; i++) {
+    if (report.tensors[i].rel_rms > worst_rel) worst_rel = report.tensors[i].rel_rms;
+    if (report.tensors[i].max_abs > worst_abs) worst_abs = report.tensors[i].max_abs;
+  }
+  args->requant_rel_rms_max = worst_rel;
+  args->requant_abs_max = worst_abs;
+  args->seconds = now_seconds() - t0;
+  mm_log(MEGAMOE_LOG_INFO, "layer %d: %s (%.2f s)", args->layer, report.summary, args->seconds);
+done:
+  mm_requant_report_free(&report);
+  if (views)
+    for (size_t i = 0; i < args->num_tensors; i++) free(host_copies[i]);
+  free(views);
+  free(host_copies);
+  mm_experts_free(experts, op->num_local_experts);
+  return mm_error_wrap(err, "prepare_weights(layer %d)", args->layer);
+}
+
+/* ---- plan ------------------------------------------------------------------ */
+static megamoe_error *op_plan(megamoe_op_plan_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, "plan");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "plan"));
+  int tokens = args->max_tokens_per_rank ? args->max_tokens_per_rank : op->cfg.num_max_tokens_per_rank;
+  if (tokens < 1 || tokens > (1 << 20))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "plan: max_tokens_per_rank %d is outside [1, %d]",
+                    tokens, 1 << 20);
+  uint64_t dev = 0, host = 0;
+  mm_err *err = op->backend->plan(op, tokens, args->stream, &dev, &host);
+  if (err) {
+    op->state = MM_OP_CREATED;
+    op->planned_tokens = 0;
+    return mm_error_wrap(err, "plan(%d tokens per rank)", tokens);
+  }
+  op->planned_tokens = tokens;
+  op->state = MM_OP_PLANNED;
+  args->device_bytes = dev;
+  args->host_bytes = host;
+  mm_log(MEGAMOE_LOG_INFO, "plan: %d tokens per rank, %.1f MiB device, %.1f MiB host", tokens,
+         (double)dev / 1048576.0, (double)host / 1048576.0);
+  return NULL;
+}
+
+/* ---- execute --------------------------------------------------------------- */
+static megamoe_error *op_execute(megamoe_op_execute_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, "execute");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "execute"));
+  if (op->state != MM_OP_PLANNED)
+    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "execute: call plan first");
+  if (args->layer < 0 || args->layer >= op->num_layer_slots || !op->layers[args->layer].ready)
+    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                    "execute: layer %d has no prepared weights", args->layer);
+  mm_tensor_view hv, iv, wv, ov;
+  int dh, di, dw, dout;
+  MM_TRY(mm_error_wrap(mm_dltensor_view("hidden", args->hidden, &hv, &dh), "execute"));
+  MM_TRY(mm_error_wrap(mm_dltensor_view("topk_ids", args->topk_ids, &iv, &di), "execute"));
+  MM_TRY(mm_error_wrap(mm_dltensor_view("topk_weights", args->topk_weights, &wv, &dw), "execute"));
+  MM_TRY(mm_error_wrap(mm_dltensor_view("out", args->out, &ov, &dout), "execute"));
+  const int64_t T = hv.ndim == 2 ? hv.shape[0] : -1, H = op->cfg.model.hidden_size,
+                K = op->cfg.model.top_k;
+  const int64_t sh[2] = {T, H}, sk[2] = {T, K};
+  MM_TRY(mm_error_wrap(mm_expect_tensor("hidden", &hv, MM_DT_BF16, 2, (int64_t[]){-1, H}), "execute"));
+  MM_TRY(mm_error_wrap(mm_expect_tensor("topk_ids", &iv, MM_DT_I32, 2, sk), "execute"));
+  MM_TRY(mm_error_wrap(mm_expect_tensor("topk_weights", &wv, MM_DT_F32, 2, sk), "execute"));
+  MM_TRY(mm_error_wrap(mm_expect_tensor("out", &ov, MM_DT_BF16, 2, sh), "execute"));
+  if (T > op->planned_tokens)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "execute: %lld tokens exceed the planned %d tokens per rank (num-max-tokens-per-rank)",
+                    (long long)T, op->planned_tokens);
+  const int want_dev = op->backend == &mm_backend_cpu ? -1 : op->device;
+  if (dh != want_dev || di != want_dev || dw != want_dev || dout != want_dev)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "execute: tensors must be on %s%d (hidden %d, topk_ids %d, topk_weights %d, "
+                    "out %d; -1 = host)",
+                    want_dev < 0 ? "the host " : "CUDA device ", want_dev, dh, di, dw, dout);
+  if (T > 0 && (const char *)ov.data < (const char *)hv.data + T * H * 2 &&
+      (const char *)hv.data < (const char *)ov.data + T * H * 2)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "execute: out overlaps hidden");
+  mm_exec_io io = {(int)T, hv.data, iv.data, wv.data, (uint16_t *)ov.data, args->stream,
+                   want_dev >= 0};
+  mm_err *err = op->backend->execute(op, args->layer, &io);
+  return mm_error_wrap(err, "execute(layer %d)", args->layer);
+}
+
+/* ---- destroy / info -------------------------------------------------------- */
+static void op_free(mm_op *op) {
+  for (int l = 0; l < op->num_layer_slots; l++) release_layer(op, l);
+  op->backend->destroy(op);
+  free(op->layers);
+  free(op);
+}
+
+static megamoe_error *op_destroy(megamoe_op_destroy_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, "destroy");
+  mm_op *op = (mm_op *)args->op;
+  if (!op) return NULL;
+  if (!registry_remove(op))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "destroy: op handle is not a live op (already destroyed?)");
+  op_free(op);
+  return NULL;
+}
+
+static megamoe_error *op_get_info(megamoe_op_info_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE, "get_info");
+  mm_op *op = (mm_op *)args->op;
+  if (!op || !registry_has(op))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "get_info: op handle is not a live op");
+  args->backend = op->backend->name;
+  args->ep_size = op->ep_size;
+  args->rank = op->rank;
+  args->num_local_experts = op->num_local_experts;
+  args->first_local_expert = op->first_local_expert;
+  args->hidden_size = op->cfg.model.hidden_size;
+  args->top_k = op->cfg.model.top_k;
+  args->gran_k = op->resolved_gran_k;
+  int ready = 0;
+  for (int l = 0; l < op->num_layer_slots; l++) ready += op->layers[l].ready;
+  args->num_layers_ready = ready;
+  args->planned_tokens = op->planned_tokens;
+  return NULL;
+}
+
+static megamoe_error *op_check(megamoe_op_check_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, "check");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "check"));
+  if (!op->backend->check || op->state != MM_OP_PLANNED) return NULL;
+  return mm_error_wrap(op->backend->check(op, args->stream, args->wait), "check");
+}
+
+static const megamoe_op_api g_api = {
+    MEGAMOE_OP_API_STRUCT_SIZE, NULL, MEGAMOE_ABI_MAJOR, MEGAMOE_ABI_MINOR, op_get_attributes,
+    op_create, op_prepare_weights, op_plan, op_execute, op_destroy, op_get_info,
+    op_validate_config, op_check};
+
+const megamoe_op_api *mm_op_api(void) { return &g_api; }

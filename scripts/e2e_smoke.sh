@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# e2e_smoke.sh -- the main job: build (bootstrap), synthesize a checkpoint,
+# run the megamoe_fp4 operator end to end through the plugin ABI with
+# megamoe-host, check sampled tokens against the cpu-reference backend, print
+# timings and a one-line PASS/FAIL summary.
+#
+# With GPUs: GLM-5 shapes (hidden 6144, expert size 2048, 256 experts, top-8),
+# ep-size = every visible GPU, both requant policies, decode (128 tokens per
+# rank, low-latency dispatch) and prefill (4096 tokens per rank, normal
+# dispatch) in each run.
+# Without a GPU: a small shape on the cpu-reference backend.
+#
+# Environment:
+#   E2E_WORK=DIR        scratch folder (default: a temp dir, removed at exit)
+#   E2E_LAYERS=N        layers to synthesize and run (default 2)
+#   E2E_PREBUILT=DIR    use this build folder instead of building (GPU hosts
+#                       without autotools; it must hold host/megamoe-host,
+#                       host/megamoe-synth and plugin/.libs/libmegamoe_plugin.so)
+#   E2E_FORCE_CPU=1     use the CPU path even when GPUs are present
+set -uo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+export NCCL_NVLS_ENABLE=0 # never NVLink multicast
+
+if [ -n "${E2E_PREBUILT:-}" ]; then
+  build=$E2E_PREBUILT
+else
+  build=${BUILD_DIR:-$src/build}
+  BUILD_DIR=$build "$src/scripts/bootstrap.sh" || { echo "e2e_smoke: FAIL (build)"; exit 1; }
+fi
+host=$build/host/megamoe-host
+synth=$build/host/megamoe-synth
+plugin=$build/plugin/.libs/libmegamoe_plugin.so
+for f in "$host" "$synth" "$plugin"; do
+  [ -e "$f" ] || { echo "e2e_smoke: FAIL ($f missing)"; exit 1; }
+done
+
+work=${E2E_WORK:-}
+if [ -z "$work" ]; then
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
+mkdir -p "$work"
+layers=${E2E_LAYERS:-2}
+gpus=0
+if [ "${E2E_FORCE_CPU:-0}" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+
+if [ "$gpus" -gt 0 ]; then
+  H=6144 I=2048 E=256 K=8
+  tokens=128,4096
+  # auto runs both exchange modes in one process: low-latency for the
+  # 128-token decode step, normal for the 4096-token prefill.
+  modes="auto"
+  extra=()
+  echo "e2e_smoke: $gpus GPU(s): GLM-5 shapes, ep-size $gpus, $layers layer(s)"
+else
+  H=256 I=256 E=16 K=4
+  tokens=32
+  modes="auto"
+  extra=(--cpu)
+  echo "e2e_smoke: no GPU: small shape on the cpu-reference backend, $layers layer(s)"
+fi
+
+echo "e2e_smoke: synthesizing an NVFP4 checkpoint in $work/ckpt"
+"$synth" --out "$work/ckpt" --layers "$layers" --hidden $H --intermediate $I --experts $E \
+  --format nvfp4 --seed 7 $([ "$gpus" -gt 0 ] && echo --fast) >"$work/synth.log" 2>&1 ||
+  { tail -5 "$work/synth.log"; echo "e2e_smoke: FAIL (synth)"; exit 1; }
+
+pass=0 fail=0
+summary=()
+for policy in none group16-to-group32; do
+  for mode in $modes; do
+    log=$work/run-$policy-$mode.log
+    "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
+      --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
+      --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
+      --set dispatch-mode=$mode --set num-max-tokens-per-rank=4096 \
+      --tokens $tokens --iters 5 --warmup 1 --check-tokens 8 "${extra[@]}" >"$log" 2>&1
+    rc=$?
+    line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
+    echo "  requant=$policy dispatch=$mode: ${line#megamoe-host: }"
+    if [ $rc -eq 0 ] && [[ $line == *PASS* ]]; then pass=$((pass + 1)); else
+      fail=$((fail + 1)); tail -15 "$log" | sed 's/^/    /'; fi
+    summary+=("$policy/$mode: ${line#megamoe-host: }")
+  done
+done
+if [ $fail -eq 0 ]; then
+  echo "e2e_smoke: PASS ($pass/$((pass + fail)) runs, $([ "$gpus" -gt 0 ] && echo "$gpus GPU(s)" || echo cpu-reference))"
+  exit 0
+fi
+echo "e2e_smoke: FAIL ($fail of $((pass + fail)) runs failed)"
+exit 1
