@@ -1,5 +1,5 @@
 /* layout_sm90.c -- CPU reference transform: canonical mm_qmat -> sm90 kernel
- * records (see layout_sm90.h and docs/LAYOUTS-sm90.md). */
+ * records (see layout_sm90.h and docs/LAYOUTS.md ("sm90 kernel layout")). */
 #include "layout_sm90.h"
 
 #include <math.h>
