@@ -3,8 +3,10 @@
  *   load    mm_weights_load_layer on NVFP4 (no requant / group16 -> group32
  *           requant) and MXFP4 (UE8M0 group 32) tensors in host memory
  *   pack    the sm90 kernel layout of the loaded experts, per weight mode:
- *           mm_sm90_pack_matrix matrix by matrix (the CPU reference, as the
- *           cuda backend called it) on the first --ref-experts experts
+ *           mm_sm90_pack_experts on all experts (what mm_sm90_layer_create
+ *           runs), and mm_sm90_pack_matrix matrix by matrix (the CPU
+ *           reference, as the cuda backend called it before) on the first
+ *           --ref-experts experts, whose bytes must match
  * GB/s counts source bytes (E2M1 codes + scale bytes); ns/weight is wall
  * time per weight, core-ns/weight that times the thread count. Median of
  * --reps runs. Data are synthetic (random codes, moderate scales).
@@ -12,6 +14,7 @@
  *   bench_load [--experts E] [--hidden H] [--inter I] [--threads T]
  *              [--reps N] [--ref-experts R]
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +23,7 @@
 
 #include "config.h"
 #include "layout_sm90.h"
+#include "layout_sm90_pack.h"
 #include "parallel.h"
 #include "weights_load.h"
 
@@ -153,10 +157,15 @@ static void free_experts(mm_expert_q *x, int n) {
 
 static int g_threads = 1;
 
-static void row(const char *what, double s, size_t src_bytes, double weights) {
+/* threads: what the step ran on (the reference pack is single-threaded). */
+static void row_t(const char *what, double s, size_t src_bytes, double weights, int threads) {
   printf("| %-46s | %8.3f | %7.3f | %7.2f | %8.2f |\n", what, s, (double)src_bytes / s * 1e-9,
-         s / weights * 1e9, s / weights * 1e9 * g_threads);
+         s / weights * 1e9, s / weights * 1e9 * threads);
   fflush(stdout);
+}
+
+static void row(const char *what, double s, size_t src_bytes, double weights) {
+  row_t(what, s, src_bytes, weights, g_threads);
 }
 
 /* ---- steps ---------------------------------------------------------------- */
@@ -205,20 +214,54 @@ static double time_pack_ref(const mm_expert_q *x, int n, mm_weight_mode mode, in
   return m;
 }
 
-static void bench_pack(const mm_expert_q *x, int E, int ref_E, mm_weight_mode mode, int reps) {
+static double time_pack_fast(const mm_expert_q *x, int n, mm_weight_mode mode, int threads,
+                             int reps, uint8_t *blob, float *rs13, float *rs2, double fe[2]) {
+  double *t = xmalloc(sizeof(double) * (size_t)reps);
+  for (int r = 0; r < reps; r++) {
+    fe[0] = fe[1] = 0.0;
+    double t0 = now_s();
+    OK(mm_sm90_pack_experts(x, n, 0, mode, threads, blob, rs13, rs2, fe));
+    t[r] = now_s() - t0;
+  }
+  double m = median(t, reps);
+  free(t);
+  return m;
+}
+
+static void bench_pack(const mm_expert_q *x, int E, int ref_E, mm_weight_mode mode, int threads,
+                       int reps) {
   const int H = x[0].w13.cols, I = x[0].w2.cols;
   const size_t eb = mm_sm90_matrix_bytes(mode, 2 * I, H) + mm_sm90_matrix_bytes(mode, H, I);
   const size_t src1 = qmat_src_bytes(&x[0].w13) + qmat_src_bytes(&x[0].w2);
   const double w1 = 3.0 * (double)H * (double)I;
-  uint8_t *ref = xmalloc(eb * (size_t)ref_E);
-  float *rs13 = xmalloc(sizeof(float) * (size_t)ref_E * 2 * (size_t)I);
-  float *rs2 = xmalloc(sizeof(float) * (size_t)ref_E * (size_t)H);
+  uint8_t *blob = xmalloc(eb * (size_t)E);
+  float *rs13 = xmalloc(sizeof(float) * (size_t)E * 2 * (size_t)I);
+  float *rs2 = xmalloc(sizeof(float) * (size_t)E * (size_t)H);
+  double fe[2];
   char what[96];
-  snprintf(what, sizeof what, "pack mode %d, reference, %d experts", (int)mode, ref_E);
-  double s = time_pack_ref(x, ref_E, mode, reps, ref, rs13, rs2);
-  row(what, s, src1 * (size_t)ref_E, w1 * ref_E);
-  (void)E;
-  free(ref);
+  snprintf(what, sizeof what, "pack mode %d, %d experts", (int)mode, E);
+  row(what, time_pack_fast(x, E, mode, threads, reps, blob, rs13, rs2, fe), src1 * (size_t)E,
+      w1 * E);
+  if (ref_E > 0) {
+    uint8_t *ref = xmalloc(eb * (size_t)ref_E);
+    float *r13 = xmalloc(sizeof(float) * (size_t)ref_E * 2 * (size_t)I);
+    float *r2 = xmalloc(sizeof(float) * (size_t)ref_E * (size_t)H);
+    snprintf(what, sizeof what, "pack mode %d, reference, %d experts", (int)mode, ref_E);
+    row_t(what, time_pack_ref(x, ref_E, mode, 1, ref, r13, r2), src1 * (size_t)ref_E, w1 * ref_E,
+          1);
+    int same = memcmp(ref, blob, eb * (size_t)ref_E) == 0 &&
+               memcmp(r13, rs13, sizeof(float) * (size_t)ref_E * 2 * (size_t)I) == 0;
+    for (int e = 0; e < ref_E; e++)
+      same = same && memcmp(r2 + (size_t)e * H, rs2 + (size_t)e * H, sizeof(float) * (size_t)H) == 0;
+    printf("# mode %d: fast bytes %s the reference's (%d experts)\n", (int)mode,
+           same ? "equal" : "DIFFER FROM", ref_E);
+    if (!same) exit(1);
+    free(ref);
+    free(r13);
+    free(r2);
+  }
+  if (mode == MM_WMODE_G16_FP8) printf("# mode 3 fold error %.4f\n", sqrt(fe[0] / fe[1]));
+  free(blob);
   free(rs13);
   free(rs2);
 }
@@ -244,7 +287,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bad arguments\n");
     return 2;
   }
-  if (ref_E < 0 || ref_E > E) ref_E = E < 2 ? E : 2;
+  if (ref_E < 0 || ref_E > E) ref_E = E < 2 ? E : 2; /* the reference is slow */
   g_threads = mm_thread_count(threads);
   const double weights = 3.0 * (double)E * (double)H * (double)I;
   printf("# bench_load: %d experts, H %d, I %d, %d threads, median of %d\n", E, H, I, g_threads,
@@ -269,17 +312,17 @@ int main(int argc, char **argv) {
   row("load NVFP4, requant g16 -> g32 (+ stats)", time_load(&cfg, &L, E, reps, x32),
       L.src_bytes, weights);
   free_layer(&L);
-  bench_pack(x32, E, ref_E, MM_WMODE_G32_FP8, reps);
+  bench_pack(x32, E, ref_E, MM_WMODE_G32_FP8, threads, reps);
   free_experts(x32, E);
-  bench_pack(x16, E, ref_E, MM_WMODE_G16_BF16_EXACT, reps);
-  bench_pack(x16, E, ref_E, MM_WMODE_G16_FP8, reps);
+  bench_pack(x16, E, ref_E, MM_WMODE_G16_BF16_EXACT, threads, reps);
+  bench_pack(x16, E, ref_E, MM_WMODE_G16_FP8, threads, reps);
   free_experts(x16, E);
 
   make_layer(&L, FMT_MXFP4, E, H, I);
   cfg.requant_policy = MM_REQUANT_NONE;
   row("load MXFP4 (UE8M0 g32)", time_load(&cfg, &L, E, reps, x32), L.src_bytes, weights);
   free_layer(&L);
-  bench_pack(x32, E, ref_E, MM_WMODE_G32_FP8, reps);
+  bench_pack(x32, E, ref_E, MM_WMODE_G32_FP8, threads, reps);
   free_experts(x32, E);
   free(x16);
   free(x32);
