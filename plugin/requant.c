@@ -100,12 +100,20 @@ static int plan_group(const requant_ctx *c, const uint8_t *in, const uint8_t *sc
   memcpy(&step, &step_bits, 8);
   p->max_d = 0.0;
   for (int h = 0; h < 2; h++) {
-    uint8_t q[8]; /* requantized magnitude: mm_requant_e2m1_rne of |v| / 2^E */
+    /* Requantized magnitude: mm_requant_e2m1_rne of |v| / 2^E, its
+     * comparisons on the bits (non-negative floats order as integers). */
+    int32_t u[8];
     for (int m = 0; m < 8; m++) {
       const float x = va[h][m] * inv;
-      q[m] = (uint8_t)((x > 0.25f) + (x >= 0.75f) + (x > 1.25f) + (x >= 1.75f) + (x > 2.5f) +
-                       (x >= 3.5f) + (x > 5.0f));
+      memcpy(&u[m], &x, 4);
     }
+    int32_t qi[8]; /* 32-bit lanes throughout: the compiler keeps this loop in vectors */
+    for (int m = 0; m < 8; m++)
+      qi[m] = (u[m] > 0x3E800000) + (u[m] >= 0x3F400000) + (u[m] > 0x3FA00000) +
+              (u[m] >= 0x3FE00000) + (u[m] > 0x40200000) + (u[m] >= 0x40600000) +
+              (u[m] > 0x40A00000);
+    uint8_t q[8];
+    for (int m = 0; m < 8; m++) q[m] = (uint8_t)qi[m];
     if (!amax_bits) memset(q, 0, sizeof q); /* an all-zero group: codes 0, byte 127 */
     /* Codes 0..7 and 8..15 (negative): the new magnitude, and the sign of
      * the value (code sign ^ scale sign ^ row sign) unless it is zero. */
