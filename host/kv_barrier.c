@@ -33,7 +33,7 @@ mm_err *mm_kv_barrier_new(mm_kv_client *c, const char *ns, int rank, int world, 
   b->timeout_ms = timeout_ms > 0 ? timeout_ms : 1;
   char will[160];
   int n = snprintf(will, sizeof will, "rank %d lost its connection to the key-value store", rank);
-  mm_err *err = mm_kv_client_set_will(c, b->abort_key, will, (size_t)n);
+  mm_err *err = mm_kv_client_add_will(c, b->abort_key, will, (size_t)n);
   if (err) {
     free(b);
     return mm_error_wrap(err, "barrier");
@@ -80,8 +80,7 @@ mm_err *mm_kv_barrier_wait_key(mm_kv_barrier *b, const char *key, void *value, s
     MM_TRY(mm_kv_barrier_check(b));
     if (uv_hrtime() / 1000000u >= deadline)
       return mm_error(MEGAMOE_CODE_DEADLINE_EXCEEDED,
-                      "rank %d: waited %d ms for '%s' (a rank is missing or stuck)", b->rank,
-                      b->timeout_ms, key);
+                      "waited %d ms for '%s' (a rank is missing or stuck)", b->timeout_ms, key);
   }
 }
 

@@ -10,7 +10,7 @@
  *
  * Abort: "<ns>/abort" holds why the group gave up. mm_kv_barrier_abort puts it
  * (unless a first reason is already there), and every wait returns ABORTED
- * with that reason once it appears. mm_kv_barrier_new leaves a will on the
+ * with that reason once it appears. mm_kv_barrier_new adds a will to the
  * client, so a rank whose process dies aborts the group through the server.
  * Waits check for an abort every 200 ms and give up after timeout_ms
  * (DEADLINE_EXCEEDED). */

@@ -32,9 +32,12 @@ typedef struct conn {
   size_t in_len, in_cap;
   int waiting;
   char wait_key[MM_KV_MAX_KEY + 1];
-  char *will_key;
-  uint8_t *will_value;
-  uint32_t will_len;
+  struct will {
+    char *key;
+    uint8_t *value;
+    uint32_t len;
+  } wills[MM_KV_MAX_WILLS];
+  int num_wills;
 } conn;
 
 struct mm_kv_server {
@@ -177,6 +180,33 @@ typedef struct {
 static void update_reading(conn *c);
 static void process(conn *c);
 
+static void clear_wills(conn *c) {
+  for (int i = 0; i < c->num_wills; i++) {
+    free(c->wills[i].key);
+    free(c->wills[i].value);
+  }
+  c->num_wills = 0;
+}
+
+/* Adds or replaces the will for key: MM_KV_OK, MM_KV_FULL, or -1. */
+static int add_will(conn *c, const char *key, const uint8_t *value, uint32_t len) {
+  int i = 0;
+  while (i < c->num_wills && strcmp(c->wills[i].key, key)) i++;
+  if (i == MM_KV_MAX_WILLS) return MM_KV_FULL;
+  uint8_t *v = malloc(len ? len : 1);
+  char *k = i == c->num_wills ? strdup(key) : c->wills[i].key;
+  if (!v || !k) {
+    free(v);
+    if (i == c->num_wills) free(k);
+    return -1;
+  }
+  memcpy(v, value, len);
+  if (i == c->num_wills) c->num_wills++;
+  else free(c->wills[i].value);
+  c->wills[i] = (struct will){k, v, len};
+  return MM_KV_OK;
+}
+
 static void on_handle_closed(uv_handle_t *h) {
   conn *c = h->data;
   if (--c->handles_open) return;
@@ -187,8 +217,7 @@ static void on_handle_closed(uv_handle_t *h) {
   s->num_conns--;
   stats_keys(s);
   free(c->in);
-  free(c->will_key);
-  free(c->will_value);
+  clear_wills(c);
   free(c);
 }
 
@@ -202,11 +231,12 @@ static void conn_close(conn *c, int malformed) {
     s->stats.malformed++;
     uv_mutex_unlock(&s->stats_lock);
   }
-  if (c->will_key && !c->bye && !s->stopping) {
+  if (c->num_wills && !c->bye && !s->stopping) {
     uv_mutex_lock(&s->stats_lock);
-    s->stats.wills_fired++;
+    s->stats.wills_fired += (uint64_t)c->num_wills;
     uv_mutex_unlock(&s->stats_lock);
-    table_put(s, c->will_key, c->will_value, c->will_len); /* FULL: nothing to do */
+    for (int i = 0; i < c->num_wills; i++) /* FULL: nothing to do */
+      table_put(s, c->wills[i].key, c->wills[i].value, c->wills[i].len);
   }
   uv_close((uv_handle_t *)&c->tcp, on_handle_closed);
   uv_close((uv_handle_t *)&c->wait_timer, on_handle_closed);
@@ -301,23 +331,16 @@ static int handle(conn *c, int op, const char *key, const uint8_t *value, uint32
       reply(c, table_del(s, key) ? MM_KV_OK : MM_KV_NOT_FOUND, NULL, 0);
       return 0;
     case MM_KV_OP_WILL: {
-      free(c->will_key);
-      free(c->will_value);
-      c->will_key = NULL;
-      c->will_value = NULL;
-      c->will_len = 0;
-      if (key[0]) {
-        c->will_key = strdup(key);
-        c->will_value = malloc(len ? len : 1);
-        if (!c->will_key || !c->will_value) return -1;
-        memcpy(c->will_value, value, len);
-        c->will_len = len;
-      }
-      reply(c, MM_KV_OK, NULL, 0);
+      int r = MM_KV_OK;
+      if (key[0]) r = add_will(c, key, value, len);
+      else clear_wills(c);
+      if (r < 0) return -1;
+      reply(c, r, NULL, 0);
       return 0;
     }
     case MM_KV_OP_BYE:
       c->bye = 1;
+      clear_wills(c);
       reply(c, MM_KV_OK, NULL, 0);
       return 0;
   }

@@ -11,7 +11,7 @@
  * request is in flight per client; calls from several threads are serialised
  * (a waiting get delays the others: give each waiting thread its own client).
  * Connecting retries until the server is up or the timeout passes. A client
- * may leave a "will": a key the server puts when the connection ends without
+ * may leave "wills": keys the server puts when the connection ends without
  * mm_kv_client_close (the process died or lost the network), so that peers
  * waiting on the store learn it instead of waiting for a timeout. After an
  * I/O error or a reply that breaks the protocol the client is broken: every
@@ -24,9 +24,10 @@
  *   reply    u32 magic | u8 status | u8 0 | u16 0 | u32 value_len | value
  *                                                              (12-byte header)
  * ops: HELLO (no key, no value), PUT (key, value), GET (key, timeout_ms: how
- * long the server waits for the key), DEL (key), WILL (key and value, or
- * neither to clear it; value <= MM_KV_MAX_WILL), BYE (no key, no value; the
- * will is dropped and nothing may follow). Keys are 1..MM_KV_MAX_KEY bytes
+ * long the server waits for the key), DEL (key), WILL (key and value: adds or
+ * replaces the will for that key, at most MM_KV_MAX_WILLS per connection,
+ * value <= MM_KV_MAX_WILL; neither: drops them all), BYE (no key, no value;
+ * the wills are dropped and nothing may follow). Keys are 1..MM_KV_MAX_KEY bytes
  * without NUL. A frame that breaks any rule (magic, op, reserved bytes,
  * lengths, a field the op does not take, a timeout over MM_KV_MAX_TIMEOUT_MS,
  * a frame after BYE, a partial frame left unfinished for frame_timeout_ms)
@@ -44,6 +45,7 @@
 #define MM_KV_MAX_KEY 256
 #define MM_KV_MAX_VALUE (1u << 20)
 #define MM_KV_MAX_WILL 4096u
+#define MM_KV_MAX_WILLS 8
 #define MM_KV_MAX_TIMEOUT_MS 86400000u /* one day */
 
 /* Wire constants (tests craft frames with them). */
@@ -94,12 +96,15 @@ mm_err *mm_kv_client_get(mm_kv_client *c, const char *key, void *value, size_t c
                          int timeout_ms);
 /* *existed (may be NULL): whether the key was there. */
 mm_err *mm_kv_client_del(mm_kv_client *c, const char *key, int *existed);
-/* key NULL: no will. */
-mm_err *mm_kv_client_set_will(mm_kv_client *c, const char *key, const void *value, size_t len);
-/* Says BYE (the will does not fire) and closes. NULL ok. */
+/* Adds (or replaces, for the same key) a will: on a connection that ends
+ * without BYE the server puts key = value. RESOURCE_EXHAUSTED past
+ * MM_KV_MAX_WILLS keys. */
+mm_err *mm_kv_client_add_will(mm_kv_client *c, const char *key, const void *value, size_t len);
+mm_err *mm_kv_client_clear_wills(mm_kv_client *c);
+/* Says BYE (no will fires) and closes. NULL ok. */
 void mm_kv_client_close(mm_kv_client *c);
-/* Drops the connection without BYE, as a crashed process would (the will
- * fires). For tests. NULL ok. */
+/* Drops the connection without BYE, as a crashed process would (the wills
+ * fire). For tests. NULL ok. */
 void mm_kv_client_abandon(mm_kv_client *c);
 
 #endif

@@ -290,12 +290,21 @@ mm_err *mm_kv_client_del(mm_kv_client *c, const char *key, int *existed) {
   return NULL;
 }
 
-mm_err *mm_kv_client_set_will(mm_kv_client *c, const char *key, const void *value, size_t len) {
-  if (key) MM_TRY(check_key(key));
-  MM_ARG_CHECK(len <= MM_KV_MAX_WILL && (value || !len) && (key || !len),
-               "key-value store: a will of %zu bytes (at most %u)", len, MM_KV_MAX_WILL);
+mm_err *mm_kv_client_add_will(mm_kv_client *c, const char *key, const void *value, size_t len) {
+  MM_TRY(check_key(key));
+  MM_ARG_CHECK(len <= MM_KV_MAX_WILL && (value || !len),
+               "key-value store: a will of %zu bytes for '%s' (at most %u)", len, key, MM_KV_MAX_WILL);
   int st;
-  return request(c, MM_KV_OP_WILL, key, value, len, 0, NULL, 0, NULL, &st);
+  MM_TRY(request(c, MM_KV_OP_WILL, key, value, len, 0, NULL, 0, NULL, &st));
+  if (st == MM_KV_FULL)
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "key-value store: more than %d wills",
+                    MM_KV_MAX_WILLS);
+  return NULL;
+}
+
+mm_err *mm_kv_client_clear_wills(mm_kv_client *c) {
+  int st;
+  return request(c, MM_KV_OP_WILL, NULL, NULL, 0, 0, NULL, 0, NULL, &st);
 }
 
 void mm_kv_client_close(mm_kv_client *c) {

@@ -580,24 +580,35 @@ static void test_will(void) {
   mm_kv_server *s = start(NULL);
   mm_kv_client *a = connect_to(s), *b = connect_to(s), *w = connect_to(s);
   if (!s || !a || !b || !w) return;
-  CHECK_OK(mm_kv_client_set_will(a, "gone/a", "a died", 6));
-  CHECK_OK(mm_kv_client_set_will(b, "gone/b", "b died", 6));
+  CHECK_OK(mm_kv_client_add_will(a, "gone/a", "a died", 6));
+  CHECK_OK(mm_kv_client_add_will(a, "gone/a2", "old", 3));
+  CHECK_OK(mm_kv_client_add_will(a, "gone/a2", "also a", 6)); /* replaces */
+  CHECK_OK(mm_kv_client_add_will(b, "gone/b", "b died", 6));
   mm_kv_client_close(b); /* clean: no will */
   mm_kv_client_abandon(a);
   char v[16];
   size_t len = 0;
   CHECK_OK(mm_kv_client_get(w, "gone/a", v, sizeof v, &len, 5000));
   CHECK(len == 6 && !memcmp(v, "a died", 6));
+  CHECK_OK(mm_kv_client_get(w, "gone/a2", v, sizeof v, &len, 5000));
+  CHECK(len == 6 && !memcmp(v, "also a", 6));
   CHECK_ERR(mm_kv_client_get(w, "gone/b", v, sizeof v, &len, 200), MEGAMOE_CODE_DEADLINE_EXCEEDED);
-  /* a cleared will does not fire */
+  /* cleared wills do not fire; at most MM_KV_MAX_WILLS keys */
   mm_kv_client *d = connect_to(s);
-  CHECK_OK(mm_kv_client_set_will(d, "gone/d", "x", 1));
-  CHECK_OK(mm_kv_client_set_will(d, NULL, NULL, 0));
+  char key[32];
+  for (int i = 0; i < MM_KV_MAX_WILLS; i++) {
+    snprintf(key, sizeof key, "gone/d%d", i);
+    CHECK_OK(mm_kv_client_add_will(d, key, "x", 1));
+  }
+  CHECK_ERR(mm_kv_client_add_will(d, "gone/one-too-many", "x", 1), MEGAMOE_CODE_RESOURCE_EXHAUSTED);
+  CHECK_OK(mm_kv_client_add_will(d, "gone/d0", "y", 1)); /* replacing still works */
+  CHECK_ERR(mm_kv_client_add_will(d, "gone/big", v, MM_KV_MAX_WILL + 1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mm_kv_client_clear_wills(d));
   mm_kv_client_abandon(d);
-  CHECK_ERR(mm_kv_client_get(w, "gone/d", v, sizeof v, &len, 300), MEGAMOE_CODE_DEADLINE_EXCEEDED);
+  CHECK_ERR(mm_kv_client_get(w, "gone/d0", v, sizeof v, &len, 300), MEGAMOE_CODE_DEADLINE_EXCEEDED);
   mm_kv_server_stats st;
   mm_kv_server_get_stats(s, &st);
-  CHECK_EQ_INT(st.wills_fired, 1);
+  CHECK_EQ_INT(st.wills_fired, 2);
   mm_kv_client_close(w);
   mm_kv_server_stop(s);
 }
