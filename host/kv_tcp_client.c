@@ -112,7 +112,7 @@ static int exchange(int fd, int op, const char *key, const void *value, size_t v
   size_t klen = key ? strlen(key) : 0;
   uint8_t h[MM_KV_REQ_HEADER + MM_KV_MAX_KEY];
   make_header(h, op, klen, vlen, timeout_ms);
-  memcpy(h + MM_KV_REQ_HEADER, key, klen);
+  if (klen) memcpy(h + MM_KV_REQ_HEADER, key, klen);
   if (send_all(fd, h, MM_KV_REQ_HEADER + klen, deadline, why, wcap) ||
       (vlen && send_all(fd, value, vlen, deadline, why, wcap)))
     return -1;

@@ -65,7 +65,7 @@ static size_t frame(uint8_t *buf, int op, const char *key, size_t klen, const vo
   put32(buf + 8, (uint32_t)klen);
   put32(buf + 12, (uint32_t)vlen);
   put32(buf + 16, tmo);
-  memcpy(buf + MM_KV_REQ_HEADER, key, klen);
+  if (klen) memcpy(buf + MM_KV_REQ_HEADER, key, klen);
   if (vlen) memcpy(buf + MM_KV_REQ_HEADER + klen, val, vlen);
   return MM_KV_REQ_HEADER + klen + vlen;
 }
@@ -777,8 +777,9 @@ static void test_barrier_timeout(void) {
   CHECK(err && err->code == MEGAMOE_CODE_DEADLINE_EXCEEDED && strstr(err->message, "lonely/b/0/1"));
   megamoe_error_destroy(err);
   CHECK(ms_since(t0) >= 450 && ms_since(t0) < 3000);
-  CHECK_ERR(mm_kv_barrier_new(c, "x", 2, 2, 500, &b), MEGAMOE_CODE_INVALID_ARGUMENT);
   mm_kv_barrier_free(b);
+  CHECK_ERR(mm_kv_barrier_new(c, "x", 2, 2, 500, &b), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK(b == NULL);
   mm_kv_client_close(c);
   mm_kv_server_stop(s);
 }
