@@ -121,11 +121,16 @@ static int parse_args(int argc, char **argv) {
     field = v;      \
     i++;            \
   } while (0)
-#define TAKE_INT(field) \
-  do {                  \
-    if (!v) return -1;  \
-    field = atoi(v);    \
-    i++;                \
+#define TAKE_INT(field)                                     \
+  do {                                                      \
+    char *end_;                                             \
+    long v_ = v ? strtol(v, &end_, 10) : 0;                 \
+    if (!v || !*v || *end_ || v_ < -1000000000 || v_ > 1000000000) { \
+      fprintf(stderr, "megamoe-host: %s needs an integer\n", a); \
+      return -1;                                            \
+    }                                                       \
+    field = (int)v_;                                        \
+    i++;                                                    \
   } while (0)
     if (!strcmp(a, "--plugin")) TAKE(opt.plugin);
     else if (!strcmp(a, "--plugin-dir")) TAKE(opt.plugin_dir);
@@ -196,7 +201,6 @@ static int parse_args(int argc, char **argv) {
   return 0;
 }
 
-
 /* ---- the setup both modes share ---------------------------------------------------- */
 /* World, ep-size, the resolved config, the checkpoint's layers and the
  * shapes. 0, or an exit code after printing why. */
@@ -230,9 +234,10 @@ static int prepare_run(host_setup *su) {
   if (opt.force_cpu && !has_set("backend") && opt.num_sets < MAX_SETS)
     opt.sets[opt.num_sets++] = (megamoe_kv){"backend", "cpu-reference"};
   /* ep-size below the world: world/ep independent expert-parallel groups */
-  char *end;
-  long ep = strtol(get_set("ep-size"), &end, 10);
-  su->ep = *end || ep < 1 ? su->world : (int)ep; /* not a number: the plugin says why */
+  const char *eps = get_set("ep-size");
+  char *end = NULL;
+  long ep = eps ? strtol(eps, &end, 10) : 0;
+  su->ep = !eps || *end || ep < 1 ? su->world : (int)ep; /* not a number: the plugin says why */
   if (su->world % su->ep) {
     fprintf(stderr, "megamoe-host: ep-size %d does not divide the world (%d ranks)\n", su->ep,
             su->world);
