@@ -53,7 +53,7 @@ struct mm_kv_server {
   int num_keys;
   size_t total_bytes;
   conn *conns;
-  int num_conns;
+  int num_conns, num_waiting;
   int port, stopping, kick_active;
 };
 
@@ -112,6 +112,7 @@ static void stats_keys(mm_kv_server *s) {
   uv_mutex_lock(&s->stats_lock);
   s->stats.keys = s->num_keys;
   s->stats.connections = s->num_conns;
+  s->stats.waiting = s->num_waiting;
   uv_mutex_unlock(&s->stats_lock);
 }
 
@@ -148,6 +149,7 @@ static int table_put(mm_kv_server *s, const char *key, const uint8_t *value, uin
   for (conn *w = s->conns; w; w = w->next)
     if (w->waiting && !w->closing && !strcmp(w->wait_key, key)) {
       w->waiting = 0;
+      s->num_waiting--;
       uv_timer_stop(&w->wait_timer);
       reply(w, MM_KV_OK, copy, len);
       w->kicked = 1; /* its buffered frames are processed from the idle handle */
@@ -224,8 +226,12 @@ static void on_handle_closed(uv_handle_t *h) {
 static void conn_close(conn *c, int malformed) {
   if (c->closing) return;
   c->closing = 1;
-  c->waiting = 0;
   mm_kv_server *s = c->srv;
+  if (c->waiting) {
+    c->waiting = 0;
+    s->num_waiting--;
+    stats_keys(s);
+  }
   if (malformed) {
     uv_mutex_lock(&s->stats_lock);
     s->stats.malformed++;
@@ -275,6 +281,8 @@ static void on_wait_timeout(uv_timer_t *t) {
   conn *c = t->data;
   if (!c->waiting || c->closing) return;
   c->waiting = 0;
+  c->srv->num_waiting--;
+  stats_keys(c->srv);
   reply(c, MM_KV_NOT_FOUND, NULL, 0);
   process(c);
 }
@@ -322,6 +330,8 @@ static int handle(conn *c, int op, const char *key, const uint8_t *value, uint32
       else if (timeout_ms == 0) reply(c, MM_KV_NOT_FOUND, NULL, 0);
       else {
         c->waiting = 1;
+        s->num_waiting++;
+        stats_keys(s);
         snprintf(c->wait_key, sizeof c->wait_key, "%s", key);
         uv_timer_start(&c->wait_timer, on_wait_timeout, timeout_ms, 0);
       }

@@ -65,6 +65,7 @@ typedef struct {
 typedef struct {
   int connections; /* open now */
   int keys;
+  int waiting; /* GETs parked for a missing key */
   uint64_t accepted, rejected; /* rejected: over max_connections */
   uint64_t malformed;          /* connections closed for breaking the protocol */
   uint64_t wills_fired;

@@ -38,7 +38,7 @@ common="--plugin $plugin --config $s/conf/megamoe.yaml --checkpoint $w/ckpt --cp
 served_port() {
   i=0
   while [ $i -lt 600 ]; do
-    p=$(sed -n 's/.*serves the key-value store on 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$1")
+    p=$(sed -n 's/.*serves the key-value store on 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$1" 2>/dev/null)
     if [ -n "$p" ]; then echo "$p"; return 0; fi
     sleep 0.05
     i=$((i + 1))
@@ -61,7 +61,7 @@ else
 fi
 
 # 2. two processes
-mp2() { # rank0-extra rank1-extra [seconds, then kill -9 rank 1]; sets rc0 rc1 took
+mp2() { # rank0-extra rank1-extra [kill -9 rank 1 this many seconds into its run]; sets rc0 rc1 took
   rm -f "$w"/r0.* "$w"/r1.* # no stale port from the previous run
   "$host" $common --world 2 --set ep-size=1 --rank 0 --rendezvous 127.0.0.1:0 $1 \
     >"$w/r0.out" 2>"$w/r0.err" &
@@ -74,9 +74,14 @@ mp2() { # rank0-extra rank1-extra [seconds, then kill -9 rank 1]; sets rc0 rc1 t
   pids="$pids $p1"
   (sleep 120; kill -9 $p0 $p1) 2>/dev/null & # a hang fails, it does not stall CI
   wd=$!
-  if [ -n "$3" ]; then sleep "$3"; kill -9 $p1 2>/dev/null; fi
+  if [ -n "$3" ]; then # once rank 1 runs (it joined the store before that), kill it
+    i=0
+    while [ $i -lt 600 ] && ! grep -q 'rank 1 of 2' "$w/r1.err" 2>/dev/null; do sleep 0.05; i=$((i + 1)); done
+    sleep "$3"
+    kill -9 $p1 2>/dev/null
+  fi
   start=$(date +%s)
-  wait $p1; rc1=$?
+  { wait $p1; } 2>/dev/null; rc1=$? # no "Killed" notice
   wait $p0; rc0=$?
   took=$(($(date +%s) - start))
   kill $wd 2>/dev/null
@@ -108,7 +113,7 @@ else
 fi
 
 # 4. a rank killed mid-run (long run: it cannot finish first)
-mp2 "--iters 1000000" "--iters 1000000" 2
+mp2 "--iters 1000000" "--iters 1000000" 1
 if [ $rc0 = 1 ] && [ $took -lt 20 ] && tail -1 "$w/r0.out" | grep -q '^megamoe-host: FAIL' &&
   grep -q 'rank 1 lost its connection' "$w/r0.err"; then
   ok "a killed rank fails rank 0 fast (${took}s)"

@@ -168,13 +168,15 @@ static void test_get_waits_for_put(void) {
                     .key = i == 3 ? "never" : "late"};
     uv_thread_create(&t[i], getter_main, &g[i]);
   }
-  usleep(300000);
+  mm_kv_server_stats st;
+  WAIT_STATS(s, st, st.waiting == 4); /* every getter is parked */
+  usleep(100000);
   CHECK_OK(mm_kv_client_put(c, "late", "value", 5));
   for (int i = 0; i < 4; i++) uv_thread_join(&t[i]);
   for (int i = 0; i < 3; i++) {
     CHECK_OK(g[i].err);
     CHECK(g[i].len == 5 && !memcmp(g[i].value, "value", 5));
-    CHECK_MSG(g[i].ms >= 150 && g[i].ms < 5000, "waiter %d returned after %.0f ms", i, g[i].ms);
+    CHECK_MSG(g[i].ms >= 90 && g[i].ms < 5000, "waiter %d returned after %.0f ms", i, g[i].ms);
   }
   CHECK_ERR(g[3].err, MEGAMOE_CODE_DEADLINE_EXCEEDED);
   g[3].err = NULL;
@@ -624,8 +626,7 @@ static void test_stop_with_waiters(void) {
     uv_thread_create(&t[i], getter_main, &g[i]);
   }
   mm_kv_server_stats st;
-  WAIT_STATS(s, st, st.connections == 3);
-  usleep(100000);
+  WAIT_STATS(s, st, st.waiting == 3);
   uint64_t t0 = uv_hrtime();
   mm_kv_server_stop(s);
   for (int i = 0; i < 3; i++) {
