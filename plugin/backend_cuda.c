@@ -264,5 +264,5 @@ static void cuda_destroy(mm_op *op) {
 
 const mm_backend_ops mm_backend_cuda = {
     "cuda", cuda_init, cuda_prepare_layer, cuda_plan, cuda_execute, cuda_destroy,
-    cuda_release_layer,
+    cuda_release_layer, mm_cuda_check,
 };

@@ -479,9 +479,17 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   return NULL;
 }
 
+static megamoe_error *op_check(megamoe_op_check_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, "check");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "check"));
+  if (!op->backend->check || op->state != MM_OP_PLANNED) return NULL;
+  return mm_error_wrap(op->backend->check(op, args->stream, args->wait), "check");
+}
+
 static const megamoe_op_api g_api = {
     MEGAMOE_OP_API_STRUCT_SIZE, NULL, MEGAMOE_ABI_MAJOR, MEGAMOE_ABI_MINOR, op_get_attributes,
     op_create, op_prepare_weights, op_plan, op_execute, op_destroy, op_get_info,
-    op_validate_config};
+    op_validate_config, op_check};
 
 const megamoe_op_api *mm_op_api(void) { return &g_api; }

@@ -9,6 +9,7 @@
 # binaries (tests/, host/, plugin .so, bench programs), libyaml/libuv, the
 # golden vectors. Prints a summary table last; full logs go to OUT_DIR.
 #   GPU_SUITE_STEPS="tests sanitizer e2e bench"   which steps to run
+#   GPU_SUITE_TESTS=GLOB   test binaries to run (default gpu_test_*; "*" for all)
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
 out=${2:-${OUT:-/tmp/gpu_suite}}
@@ -23,7 +24,7 @@ row() { rows+=("$(printf '%-40s %s' "$1" "$2")"); }
 
 nvidia-smi -L 2>&1 | tee "$out/gpus.txt" || true
 if [[ " $steps " == *" tests "* ]]; then
-  for t in "$pack"/tests/gpu_test_* "$pack"/tests/test_*; do
+  for t in "$pack"/tests/${GPU_SUITE_TESTS:-gpu_test_*}; do
     [ -x "$t" ] || continue
     name=$(basename "$t")
     start=$(date +%s)
