@@ -129,7 +129,8 @@ static int plan_group(const requant_ctx *c, const uint8_t *in, const uint8_t *sc
       const double x = (double)va[h][m], d = x - (double)kMag[q[m]] * step;
       p->xx[h][m] = x * x;
       p->dd[h][m] = d * d;
-      if ((present[h] >> m & 1) && fabs(d) > p->max_d) p->max_d = fabs(d);
+      const double ad = (present[h] >> m & 1) ? fabs(d) : 0.0; /* branch-free: unpredictable */
+      p->max_d = ad > p->max_d ? ad : p->max_d;
     }
   }
   return b;
