@@ -614,8 +614,11 @@ static void test_bad_descriptors(void) {
     ts[i]->dtype = (DLDataType){kDLFloat, 64, 1};
     CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     *ts[i] = saved;
+    int64_t sh3[3] = {ts[i]->shape[0], ts[i]->shape[1], 1};
+    ts[i]->shape = sh3;
     ts[i]->ndim = 3;
     CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    ts[i]->shape = saved.shape;
     ts[i]->ndim = 1;
     CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     *ts[i] = saved;
