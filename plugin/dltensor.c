@@ -85,7 +85,8 @@ mm_err *mm_dltensor_view(const char *what, const DLTensor *t, mm_tensor_view *v,
   if (v->dtype == MM_DT_F4_E2M1 && t->ndim > 0 && t->shape[t->ndim - 1] % 2)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "%s: float4 tensors need an even innermost dimension", what);
-  if (t->strides) {
+  if (t->strides && numel > 0) { /* an empty tensor has no layout; and numel > 0
+                                   * bounds the running product below */
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
       if (t->shape[i] != 1 && t->strides[i] != expect)

@@ -636,6 +636,17 @@ static void test_bad_descriptors(void) {
     CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "shape is NULL");
     *ts[i] = saved;
   }
+  /* an empty 4-d tensor with huge dimensions and strides: refused, no overflow */
+  {
+    DLTensor saved = io.h;
+    int64_t sh4[4] = {0, (int64_t)1 << 40, (int64_t)1 << 40, (int64_t)1 << 40};
+    int64_t st4[4] = {0, (int64_t)1 << 62, (int64_t)1 << 40, 1};
+    io.h.ndim = 4;
+    io.h.shape = sh4;
+    io.h.strides = st4;
+    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "hidden");
+    io.h = saved;
+  }
   /* element-aligned offsets are fine: hidden at element 8 of a larger buffer */
   memmove(hid + 8, hid, T * H * 2);
   io.h.byte_offset = 16;
