@@ -16,6 +16,7 @@
  * hang). docs/RELIABILITY.md lists these cases. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -687,6 +688,72 @@ static void test_bad_descriptors(void) {
   CHECK_OK(destroy(op));
 }
 
+/* Another request's op is not disturbed by a misbehaving neighbour: one
+ * thread runs valid executes and checks every output, another creates,
+ * misuses and destroys its own ops (stale handles, bad tensors, bad
+ * weights) at the same time. */
+typedef struct {
+  megamoe_op *op;
+  int iters, bad;
+} worker_arg;
+
+static void *good_worker(void *p) {
+  worker_arg *w = p;
+  static uint16_t out[TP * H];
+  io_t io;
+  io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+  for (int i = 0; i < w->iters; i++) {
+    memset(out, 0xFF, sizeof out);
+    megamoe_error *e = execute(w->op, 0, &io);
+    if (e || memcmp(out, g_ref_out, sizeof out) != 0) w->bad++;
+    megamoe_error_destroy(e);
+  }
+  return NULL;
+}
+
+static void *bad_worker(void *p) {
+  worker_arg *w = p;
+  static uint16_t out[TP * H];
+  static megamoe_named_tensor nt[NT];
+  for (int i = 0; i < w->iters; i++) {
+    megamoe_error *e;
+    megamoe_op *op = create_op(&e);
+    megamoe_error_destroy(e);
+    if (!op) {
+      w->bad++;
+      continue;
+    }
+    io_t io;
+    io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+    megamoe_error_destroy(execute(op, 0, &io)); /* before plan */
+    memcpy(nt, g_nt, sizeof nt);
+    nt[i % NT].name = "experts.0.gate_proj.weight"; /* a duplicate or a missing one */
+    megamoe_error_destroy(prepare_n(op, 0, nt, NT));
+    megamoe_error_destroy(plan(op, -3));
+    io.h.byte_offset = 1;
+    megamoe_error_destroy(execute(op, 0, &io));
+    megamoe_error_destroy(destroy(op));
+    megamoe_error_destroy(destroy(op)); /* stale */
+    megamoe_error_destroy(execute(op, 0, &io));
+  }
+  return NULL;
+}
+
+static void test_neighbour_misuse(void) {
+  megamoe_op *op = ready_op();
+  if (!op) return;
+  worker_arg good = {op, 40, 0}, bad = {NULL, 40, 0};
+  pthread_t a, b;
+  CHECK(pthread_create(&a, NULL, good_worker, &good) == 0);
+  CHECK(pthread_create(&b, NULL, bad_worker, &bad) == 0);
+  pthread_join(a, NULL);
+  pthread_join(b, NULL);
+  CHECK_EQ_INT(good.bad, 0);
+  CHECK_EQ_INT(bad.bad, 0);
+  check_still_works(op);
+  CHECK_OK(destroy(op));
+}
+
 /* ---- files ----------------------------------------------------------------------------------- */
 static void on_alarm(int sig) {
   (void)sig;
@@ -922,6 +989,7 @@ int main(void) {
   RUN(test_bad_weight_tensors);
   RUN(test_token_counts);
   RUN(test_bad_descriptors);
+  RUN(test_neighbour_misuse);
   RUN(test_fifo_paths);
   RUN(test_hostile_checkpoints);
   RUN(test_lifecycle_misuse); /* last: finalizes and re-inits the plugin */
