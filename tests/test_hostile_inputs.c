@@ -809,6 +809,8 @@ typedef enum {
   CK_MISSING_EXPERT, /* expert 3 absent */
   CK_GATE_UP_SHAPES, /* expert 1: up has half the rows of gate */
   CK_NAN_SCALE,      /* expert 2: a 0xFF (NaN) E4M3 byte in down_proj.weight_scale */
+  CK_F4_WEIGHTS,     /* codes typed F4 [N, K] (elements) instead of U8 [N, K/2] */
+  CK_F16_SCALE,      /* expert 0: gate_proj.weight_scale typed F16 (same bytes) */
 } ck_kind;
 
 static int write_ckpt(const char *path, ck_kind kind) {
@@ -829,14 +831,16 @@ static int write_ckpt(const char *path, ck_kind kind) {
         memcpy(data + dl, t->data, nb);
         if (kind == CK_NAN_SCALE && e == 2 && p == 2 && s == 1) data[dl + 11] = 0xFF;
         dl += nb;
+        const char *dtype = s == 0 ? "U8" : s == 1 ? "F8_E4M3" : "F32";
+        if (kind == CK_F4_WEIGHTS && s == 0) dtype = "F4", c *= 2;
+        if (kind == CK_F16_SCALE && e == 0 && p == 0 && s == 1) dtype = "F16", c /= 2;
         char shape[64];
         if (s >= 2) snprintf(shape, sizeof shape, "[]");
         else snprintf(shape, sizeof shape, "[%lld,%lld]", (long long)r, (long long)c);
         hl += (size_t)snprintf(hdr + hl, sizeof hdr - hl,
                                ",\"model.layers.0.mlp.experts.%d.%s_proj.%s\":{\"dtype\":\"%s\","
                                "\"shape\":%s,\"data_offsets\":[%zu,%zu]}",
-                               e, kProj[p], kField[s], s == 0 ? "U8" : s == 1 ? "F8_E4M3" : "F32",
-                               shape, begin, begin + nb);
+                               e, kProj[p], kField[s], dtype, shape, begin, begin + nb);
       }
   hl += (size_t)snprintf(hdr + hl, sizeof hdr - hl, "}");
   while (hl % 8) hdr[hl++] = ' ';
@@ -940,6 +944,15 @@ static void test_hostile_checkpoints(void) {
   snprintf(p, sizeof p, "%s/nan-scale.safetensors", g_tmp);
   CHECK(write_ckpt(p, CK_NAN_SCALE) == 0);
   expect_host(p, 1, "experts.2.down_proj.weight_scale: NaN scale byte", NULL);
+  /* FP4 codes typed F4 (shape in elements): the host must pass them as 4-bit
+   * elements (it relabelled them U8 of twice the size: an over-read) */
+  snprintf(p, sizeof p, "%s/f4.safetensors", g_tmp);
+  CHECK(write_ckpt(p, CK_F4_WEIGHTS) == 0);
+  expect_host(p, 0, "megamoe-host: PASS", NULL);
+  /* a scale stored as F16: refused by name (it was relabelled U8 and used) */
+  snprintf(p, sizeof p, "%s/f16-scale.safetensors", g_tmp);
+  CHECK(write_ckpt(p, CK_F16_SCALE) == 0);
+  expect_host(p, 1, "experts.0.gate_proj.weight_scale", "unsupported dtype");
   /* the same tensors in two shards of a directory checkpoint */
   char d[512];
   snprintf(d, sizeof d, "%.256s/sharded", g_tmp);
