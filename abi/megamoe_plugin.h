@@ -358,6 +358,23 @@ typedef struct megamoe_op_destroy_args {
 #define MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE \
   MEGAMOE_STRUCT_SIZE(megamoe_op_destroy_args, op)
 
+/* Reports errors recorded on the device by earlier asynchronous executes
+ * (low-latency mode performs no host synchronisation, so a bad expert id or
+ * a capacity overflow found by its kernels is kept in device memory):
+ * INVALID_ARGUMENT / RESOURCE_EXHAUSTED for such input errors (the affected
+ * tokens were masked, never written out of bounds), ABORTED after a
+ * communicator failure. The next non-captured execute also reports them.
+ * wait = 1 first waits for the op's work on `stream` (a host sync: never
+ * inside graph capture). */
+typedef struct megamoe_op_check_args {
+  size_t struct_size;
+  void *extension;
+  megamoe_op *op;
+  void *stream;
+  int32_t wait;
+} megamoe_op_check_args;
+#define MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE MEGAMOE_STRUCT_SIZE(megamoe_op_check_args, wait)
+
 /* Per-op readable state, for hosts and tests. */
 typedef struct megamoe_op_info_args {
   size_t struct_size;
@@ -390,6 +407,7 @@ typedef struct megamoe_op_info_args {
  *   destroy         frees everything the op owns; waits for its device work.
  *   get_info        strings point into the op.
  *   validate_config like create's checks, no op; thread-safe.
+ *   check           errors left on the device by asynchronous executes.
  */
 typedef struct megamoe_op_api {
   size_t struct_size;
@@ -406,8 +424,9 @@ typedef struct megamoe_op_api {
   /* Parses and checks the configuration of `args` (config, overrides, rank)
    * without creating an op or touching a device; args->op stays NULL. */
   megamoe_error *(*validate_config)(megamoe_op_create_args *args);
+  megamoe_error *(*check)(megamoe_op_check_args *args);
 } megamoe_op_api;
-#define MEGAMOE_OP_API_STRUCT_SIZE MEGAMOE_STRUCT_SIZE(megamoe_op_api, validate_config)
+#define MEGAMOE_OP_API_STRUCT_SIZE MEGAMOE_STRUCT_SIZE(megamoe_op_api, check)
 
 typedef struct megamoe_op_registration {
   size_t struct_size;

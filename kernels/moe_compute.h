@@ -78,6 +78,24 @@ mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *layer, const mm_expert_
 double mm_sm90_layer_fold_error(const mm_sm90_layer *layer);
 mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *layer);
 
+/* Benchmarks: a layer of valid random records made on the device (no host
+ * packing), same layout and kernels as a real one. */
+mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
+                                    mm_weight_mode mode, uint64_t seed, void *stream,
+                                    mm_sm90_layer **out);
+/* Tests: copies the intermediate of the last compute that used `workspace`
+ * (rows [0, rows)) to the host as FP8 E4M3 bytes [rows, I] and FP32 scales
+ * [rows, I/128]. Synchronous. */
+mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
+                                   const void *workspace, int rows, uint8_t *act, float *scales);
+
+/* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), uniform floats, and
+ * a streaming read of `bytes` (for the HBM read ceiling). Asynchronous. */
+mm_err *mm_sm90_bench_fill_fp8(uint8_t *p, size_t n, uint64_t seed, void *stream);
+mm_err *mm_sm90_bench_fill_uniform(float *p, size_t n, float lo, float hi, uint64_t seed,
+                                   void *stream);
+mm_err *mm_sm90_bench_read(const void *p, size_t bytes, float *sink, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -198,6 +198,38 @@ extern "C" mm_err *mm_sm90_expert_compute(const mm_sm90_layer *L, const mm_exper
                                      MM_SM90_PATH_AUTO);
 }
 
+extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_rows_max,
+                                              const void *workspace, int rows, uint8_t *act,
+                                              float *scales) {
+  mm_sm90_ws w = mm_sm90_ws_carve(L, num_rows_max, (void *)workspace);
+  MM_ARG_CHECK(rows >= 0 && rows <= num_rows_max, "debug intermediate: %d rows of %d", rows,
+               num_rows_max);
+  const int I = L->I, KB = I / 128;
+  const int m2 = L->mode == MM_WMODE_G16_BF16_EXACT;
+  const size_t n = (size_t)rows * I;
+  uint16_t *h = m2 ? (uint16_t *)malloc(2 * n + 2) : NULL;
+  float *st = (float *)malloc(sizeof(float) * ((size_t)KB * w.Mp + 1));
+  if ((m2 && !h) || !st) {
+    free(h);
+    free(st);
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "debug intermediate: out of host memory");
+  }
+  cudaError_t ce = m2 ? cudaMemcpy(h, w.act, 2 * n, cudaMemcpyDeviceToHost)
+                      : cudaMemcpy(act, w.act, n, cudaMemcpyDeviceToHost);
+  if (ce == cudaSuccess)
+    ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
+  if (ce == cudaSuccess) {
+    for (size_t i = 0; m2 && i < n; i++) act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(h[i])));
+    for (int r = 0; r < rows; r++)
+      for (int b = 0; b < KB; b++) scales[(size_t)r * KB + b] = st[(size_t)b * w.Mp + r];
+  }
+  free(h);
+  free(st);
+  if (ce != cudaSuccess)
+    return mm_error(MEGAMOE_CODE_INTERNAL, "debug intermediate: %s", cudaGetErrorString(ce));
+  return NULL;
+}
+
 /* ------------------------------------------------------- CUDA-core path ---- */
 
 __device__ __forceinline__ float e4m3_to_f32(uint8_t b) {
@@ -329,6 +361,146 @@ mm_err *mm_sm90_run_simt(const mm_sm90_layer *L, const mm_expert_pool *pool, flo
   simt_l1<<<dim3(M, L->I / 128), 128, 0, stream>>>(*L, *pool, clamp, *ws);
   MM_CUDA_TRY(cudaGetLastError());
   simt_l2<<<dim3(M, L->H / 128), 128, 0, stream>>>(*L, *pool, *ws);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+/* ------------------------------------------------- random layer (bench) ---- */
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return (uint32_t)(x ^ (x >> 31));
+}
+
+/* Valid random records: random codes, scale bytes / fold indices of the
+ * mode's usual range, reference exponents that keep outputs O(1). */
+__global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, uint64_t seed) {
+  const int G = mode == 1 ? 4 : 8;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < bytes / 2;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t b = 2 * i, off = b % rec;
+    const uint32_t r = hash32(seed ^ (uint64_t)i);
+    uint8_t v0, v1;
+    if (off < 4096) {
+      v0 = (uint8_t)r;
+      v1 = (uint8_t)(r >> 8);
+    } else if (off < 4096 + 64u * (size_t)G) {
+      if (mode == 1) {
+        v0 = (uint8_t)MM_SM90_LUT_INDEX(4 + (int)(r % 3), 0);
+        v1 = (uint8_t)MM_SM90_LUT_INDEX(4 + (int)((r >> 8) % 3), 0);
+      } else if (mode == 2) {
+        v0 = (uint8_t)(0x28 + r % 0x20);
+        v1 = (uint8_t)(0x28 + (r >> 8) % 0x20);
+      } else {
+        v0 = (uint8_t)MM_SM90_LUT_INDEX(2 + (int)(r % 4), (int)((r >> 4) & 7));
+        v1 = (uint8_t)MM_SM90_LUT_INDEX(2 + (int)((r >> 8) % 4), (int)((r >> 12) & 7));
+      }
+    } else { /* int16 reference exponent */
+      const int16_t e = -12;
+      memcpy(&v0, &e, 1);
+      v1 = (uint8_t)((uint16_t)e >> 8);
+    }
+    w[b] = v0;
+    w[b + 1] = v1;
+  }
+}
+
+__global__ void fill_f32(float *p, size_t n, float v) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i] = v;
+}
+
+extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_weight_mode mode,
+                                               uint64_t seed, void *stream,
+                                               mm_sm90_layer **out) {
+  *out = NULL;
+  MM_ARG_CHECK(num_local > 0 && H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0,
+               "sm90 random layer: bad shape E=%d H=%d I=%d", num_local, H, I);
+  cudaStream_t st = (cudaStream_t)stream;
+  mm_sm90_layer *L = (mm_sm90_layer *)calloc(1, sizeof(*L));
+  if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
+  L->mode = mode;
+  L->E = num_local;
+  L->H = H;
+  L->I = I;
+  L->rec = mm_sm90_record_bytes(mode);
+  L->w13_bytes = mm_sm90_matrix_bytes(mode, 2 * I, H);
+  L->w2_bytes = mm_sm90_matrix_bytes(mode, H, I);
+  L->expert_bytes = L->w13_bytes + L->w2_bytes;
+  const size_t wbytes = L->expert_bytes * (size_t)num_local;
+  const size_t rs_count = (size_t)num_local * (size_t)(2 * I + H);
+  uint8_t lut[MM_SM90_LUT_ENTRIES][8];
+  mm_sm90_lut_table(lut);
+  cudaError_t ce = cudaMalloc((void **)&L->d_w, wbytes);
+  if (ce == cudaSuccess) ce = cudaMalloc((void **)&L->d_rs13, sizeof(float) * rs_count);
+  if (ce == cudaSuccess) ce = cudaMalloc((void **)&L->d_lut, sizeof(lut));
+  if (ce == cudaSuccess)
+    ce = cudaMemcpyAsync(L->d_lut, lut, sizeof(lut), cudaMemcpyHostToDevice, st);
+  if (ce == cudaSuccess) {
+    L->d_rs2 = L->d_rs13 + (size_t)num_local * (size_t)(2 * I);
+    L->device_bytes = wbytes + sizeof(float) * rs_count + sizeof(lut);
+    random_records<<<1024, 256, 0, st>>>(L->d_w, wbytes, L->rec, (int)mode, seed);
+    fill_f32<<<256, 256, 0, st>>>(L->d_rs13, rs_count, mode == 2 ? 1e-3f : 0.05f);
+    ce = cudaGetLastError();
+  }
+  if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+  if (ce != cudaSuccess) {
+    mm_sm90_layer_destroy(L);
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 random layer (%zu bytes): %s", wbytes,
+                    cudaGetErrorString(ce));
+  }
+  *out = L;
+  return NULL;
+}
+
+/* ------------------------------------------------------ bench helpers ---- */
+
+__global__ void fill_fp8_kernel(uint8_t *p, size_t n, uint64_t seed) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint8_t b = (uint8_t)hash32(seed ^ i);
+    if ((b & 0x7F) == 0x7F) b = 0x38; /* no NaN: 1.0 instead */
+    p[i] = (uint8_t)(b & 0xBF);       /* |v| <= 2^0 * 1.875 or subnormal-ish: O(1) */
+  }
+}
+
+__global__ void fill_uniform_kernel(float *p, size_t n, float lo, float hi, uint64_t seed) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i] = lo + (hi - lo) * (float)(hash32(seed ^ i) >> 8) * (1.0f / 16777216.0f);
+}
+
+/* Streams the buffer once (16-byte loads), one value per block so the loads
+ * cannot be dropped. */
+__global__ void read_kernel(const uint4 *p, size_t n, float *sink) {
+  uint32_t acc = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) sink[blockIdx.x] = (float)acc;
+}
+
+extern "C" mm_err *mm_sm90_bench_fill_fp8(uint8_t *p, size_t n, uint64_t seed, void *stream) {
+  fill_fp8_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+extern "C" mm_err *mm_sm90_bench_fill_uniform(float *p, size_t n, float lo, float hi,
+                                              uint64_t seed, void *stream) {
+  fill_uniform_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, lo, hi, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+extern "C" mm_err *mm_sm90_bench_read(const void *p, size_t bytes, float *sink, void *stream) {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  read_kernel<<<sms * 4, 512, 0, (cudaStream_t)stream>>>((const uint4 *)p, bytes / 16, sink);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }

@@ -1,12 +1,734 @@
-/* moe_sm90_wgmma.cu -- the WGMMA product path (placeholder until it lands). */
+/* moe_sm90_wgmma.cu -- the WGMMA product path of the sm90 fused expert
+ * compute: two persistent, warp-specialized kernels per call (L1 with the
+ * SwiGLU + FP8 requant epilogue, L2 with the BF16 epilogue) and a small prep
+ * kernel (token scales transposed; mode 2: F16 copy of the activations).
+ *
+ * Swap-AB: weights are the WGMMA A operand (64 rows per m64 tile, decoded from
+ * packed FP4 straight into A-fragment registers, "RS" form), tokens are N
+ * (64 per tile, TMA-loaded with 128B swizzle). A CTA = 1 producer warpgroup
+ * (TMA bulk copies of the weight records, tensor copies of the token tile and
+ * its scales, S-stage mbarrier ring) + 2 consumer warpgroups, each owning two
+ * m64 tiles: 256 weight rows x 64 tokens per work unit. Work units
+ * (expert, 256-row block, 64-token tile) are walked round-robin by a grid of
+ * one CTA per SM, token tile fastest so that neighbouring CTAs share weights
+ * in L2 and a skewed expert spreads over every SM.
+ *
+ * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
+ * then promotes: final += acc * token_scale * weight_ref (FP8 modes) or
+ * acc * token_scale * 2^14 (mode 2, F16 encoding of e2m1 * scale). */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <stdlib.h>
+#include <string.h>
+
 #include "moe_sm90_impl.h"
 
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kRowsCta = 256;  /* weight rows per work unit */
+constexpr int kMaxExperts = 256;
+constexpr int kSmemLimit = 232448;
+
+template <int MODE, int BN>
+struct Cfg {
+  static constexpr bool kF16 = MODE == 2;
+  static constexpr int kRec = MODE == 1 ? 4480 : MODE == 2 ? 4608 : 4736;
+  static constexpr int kG = MODE == 1 ? 4 : 8;
+  static constexpr int kRefOff = 4096 + 64 * kG;
+  static constexpr int kA = 4 * kRec;            /* 4 records per stage */
+  static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
+  static constexpr int kB = kF16 ? 2 * kSlab : kSlab;
+  /* token scales: TMA wants a 16-byte aligned inner start, so the box is
+   * BN + 4 floats from tok0 & ~3, in a 128-aligned slot */
+  static constexpr int kSBoxN = BN + 4;
+  static constexpr int kSBox = 4 * kSBoxN;
+  static constexpr int kS = (kSBox + 127) / 128 * 128;
+  static constexpr int kStage = kA + kB + kS;
+};
+
+template <int MODE, int GEMM, int BN>
+struct Smem {
+  using C = Cfg<MODE, BN>;
+  static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
+  static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
+                                2 * 4 * BN * 4 /* amax */ + kStaging +
+                                4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
+  static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
+  static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
+  /* offsets from the 1024-aligned base */
+  static constexpr int kOffB = 0;
+  static constexpr int kOffA = kStages * C::kB;
+  static constexpr int kOffS = kOffA + kStages * C::kA;
+  static constexpr int kOffLut = kOffS + kStages * C::kS;
+  static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
+  static constexpr int kOffStg = kOffRed + 2 * 4 * BN * 4;
+  static constexpr int kOffSched = kOffStg + kStaging;
+  static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
+  static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
+  static_assert(kStages >= 3, "too few pipeline stages");
+  static_assert(kBytes <= kSmemLimit, "shared memory budget");
+};
+
+struct Params {
+  const uint8_t *w;      /* layer weights */
+  size_t expert_bytes;
+  size_t mat_off;        /* 0 (w13) or w13 bytes (w2) */
+  const float *rs;       /* row factors [E][rows] */
+  const uint8_t *lut;
+  const int32_t *offsets;
+  int E, rows, K, Mp, M;
+  const float *row_weight;
+  float clamp;
+  uint8_t *act;          /* L1 out: [Mp][I] FP8 or F16 */
+  float *as_t;           /* L1 out: [I/128][Mp] */
+  uint16_t *out;         /* L2 out: [M][H] BF16 */
+};
+
+/* ------------------------------------------------------------ PTX bits ---- */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t *b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(smem_u32(b)), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes,
+                                         uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, int c0, int c1,
+                                       uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+/* K-major, 128B-swizzled B tile: 8-row atoms 1024 bytes apart. */
+__device__ __forceinline__ uint64_t desc_b(uint32_t saddr) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(16 >> 4) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+/* F16 pairs (value * 2^-14) of the word's nibble pairs (o, o + 4). */
+__device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
+  switch (o) {
+    case 0: return ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
+    case 1: return ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
+    case 2: return ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
+    default: return ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+  }
+}
+__device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
+  return *reinterpret_cast<uint32_t *>(&r);
+}
+/* E4M3 byte -> F16 pair (s, s). */
+__device__ __forceinline__ uint32_t e4m3_pair(uint32_t b) {
+  uint32_t d;
+  uint16_t two = (uint16_t)(b | (b << 8));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(two));
+  return d;
+}
+__device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
+  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float round_bf16(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+/* mma<FP8, N>: one m64nNk32 (FP8 E4M3) or m64nNk16 (F16) WGMMA, A from
+ * registers, B from a shared-memory descriptor, D += A*B (D = A*B when
+ * scale_d is 0). */
+template <int FP8, int N>
+__device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint64_t desc, int scale_d);
+template <>
+__device__ __forceinline__ void mma<1, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<1, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<1, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<0, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<0, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void mma<0, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint64_t desc, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+}
+
+
+/* ------------------------------------------------------------- kernel ---- */
+
+/* Walks this CTA's work units: returns false when done. */
+struct Unit {
+  int e, rb, nt, tok0, valid;
+};
+template <int kBN>
+__device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int u,
+                                          int *e, Unit *out) {
+  if (u >= sched[E]) return false;
+  while (sched[*e + 1] <= u) (*e)++;
+  const int m = off[*e + 1] - off[*e], ntc = (m + kBN - 1) / kBN;
+  const int local = u - sched[*e];
+  out->e = *e;
+  out->rb = local / ntc;
+  out->nt = local % ntc;
+  out->tok0 = off[*e] + out->nt * kBN;
+  out->valid = min(kBN, m - out->nt * kBN);
+  return true;
+}
+
+template <int MODE, int GEMM, int BN>
+__global__ void __launch_bounds__(kThreads, 1)
+    wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
+              const __grid_constant__ CUtensorMap tmS) {
+  using C = Cfg<MODE, BN>;
+  using S = Smem<MODE, GEMM, BN>;
+  constexpr int kBN = BN;
+  constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
+  extern __shared__ uint8_t smem_raw[];
+  /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
+  uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t *full = (uint64_t *)(sm + S::kOffBar);
+  uint64_t *empty = full + S::kStages;
+  int *sched = (int *)(sm + S::kOffSched);
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int E = p.E, KB = p.K / 128, RB = p.rows / kRowsCta;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::kStages; s++) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8); /* one lane per consumer warp */
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    int acc = 0;
+    for (int e = 0; e < E; e++) {
+      sched[e] = acc;
+      const int m = p.offsets[e + 1] - p.offsets[e];
+      acc += (m + kBN - 1) / kBN * RB;
+    }
+    sched[E] = acc;
+  }
+  if (MODE != 2)
+    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += kThreads)
+      ((uint32_t *)(sm + S::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
+  __syncthreads();
+
+  if (wg == 0) { /* ------------------------------------ producer ---- */
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmB) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmS) : "memory");
+      int stage = 0, e = 0;
+      uint32_t phase = 0;
+      Unit un;
+      for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
+        const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
+                              (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
+        for (int kb = 0; kb < KB; kb++) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          mbar_expect_tx(&full[stage], C::kA + C::kB + C::kSBox);
+          uint8_t *dA = sm + S::kOffA + stage * C::kA;
+#pragma unroll
+          for (int i = 0; i < 4; i++)
+            bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
+                     &full[stage]);
+          uint8_t *dB = sm + S::kOffB + stage * C::kB;
+          tma_2d(dB, &tmB, kb * 128, un.tok0, &full[stage]);
+          if (C::kF16) tma_2d(dB + C::kSlab, &tmB, kb * 128 + 64, un.tok0, &full[stage]);
+          tma_2d(sm + S::kOffS + stage * C::kS, &tmS, un.tok0 & ~3, kb, &full[stage]);
+          if (++stage == S::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  /* ------------------------------------------------------- consumers ---- */
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int c = wg - 1;
+  const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+  const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
+  const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
+  int stage = 0, e = 0;
+  uint32_t phase = 0;
+  float fin[2][NR], acc[2][NR];
+  Unit un;
+  for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
+
+    for (int kb = 0; kb < KB; kb++) {
+      mbar_wait(&full[stage], phase);
+      const uint8_t *sA = sm + S::kOffA + stage * C::kA + (2 * c) * C::kRec;
+      const uint32_t bB = smem_u32(sm + S::kOffB + stage * C::kB);
+      const float *sS = (const float *)(sm + S::kOffS + stage * C::kS) + (un.tok0 & 3);
+      float sx[BN / 4];
+#pragma unroll
+      for (int k = 0; k < BN / 4; k++) {
+        const float v = sS[8 * (k >> 1) + 2 * q + (k & 1)];
+        sx[k] = MODE == 2 ? v * 16384.0f : v;
+      }
+      uint32_t wd[2][8];
+      float sw[2][2];
+      uint32_t sb1[2][2];
+      uint2 sb2[2][2];
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const uint8_t *R = sA + j * C::kRec;
+        const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
+        wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
+        wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int r = r0 + 8 * h;
+          if (MODE == 1) sb1[j][h] = *(const uint32_t *)(R + 4096 + r * 4);
+          else sb2[j][h] = *(const uint2 *)(R + 4096 + r * 8);
+          sw[j][h] = MODE == 2 ? 1.0f : mm_sm90_pow2(*(const int16_t *)(R + C::kRefOff + 2 * r));
+        }
+      }
+      fence_acc(acc[0]);
+      fence_acc(acc[1]);
+      uint32_t a[2][2][2][4]; /* [buffer][tile][step in chunk][register] */
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++) {
+        const int buf = ch & 1;
+        if (ch >= 2) wg_wait<1>(); /* chunk ch-2 has retired: its registers are free */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+          for (int rr = 0; rr < 2; rr++) {
+            if (MODE == 2) {
+              const uint32_t word = wd[j][2 * ch + rr];
+#pragma unroll
+              for (int ss = 0; ss < 2; ss++) {
+                const int s = 2 * ch + ss;
+                const uint32_t sbyte = ((s < 4 ? sb2[j][rr].x : sb2[j][rr].y) >> (8 * (s & 3))) & 0xFF;
+                const uint32_t scl = e4m3_pair(sbyte);
+                a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
+                a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
+              }
+            } else {
+              const uint32_t word = wd[j][2 * ch + rr];
+              uint2 llo, lhi;
+              /* byte extract with one prmt (zero-filled from the 0 operand) */
+              if (MODE == 1) {
+                llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
+              } else {
+                const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
+                llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+                lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+              }
+              const uint32_t sel = word & 0x77777777u;
+              a[buf][j][0][rr] = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
+              a[buf][j][0][rr + 2] = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+            }
+          }
+        }
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          if (MODE == 2) {
+#pragma unroll
+            for (int ss = 0; ss < 2; ss++) {
+              const int s = 2 * ch + ss;
+              const uint64_t d = desc_b(bB + (s >> 2) * C::kSlab + (s & 3) * 32);
+              mma<0, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
+                         a[buf][j][ss][3], d, ch + ss > 0);
+            }
+          } else {
+            const uint64_t d = desc_b(bB + ch * 32);
+            mma<1, BN>(acc[j], a[buf][j][0][0], a[buf][j][0][1], a[buf][j][0][2],
+                       a[buf][j][0][3], d, ch > 0);
+          }
+        }
+        wg_commit();
+      }
+      wg_wait<0>();
+      fence_acc(acc[0]);
+      fence_acc(acc[1]);
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      if (++stage == S::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int i = 0; i < NR; i++)
+          fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
+    }
+
+    /* ------------------------------------------------------ epilogue ---- */
+    uint8_t *stg = sm + S::kOffStg;
+    const int ct = c * 128 + tid;
+    if (GEMM == 1) {
+      const int I = p.rows / 2;
+      constexpr int NC = BN / 4; /* columns per thread */
+      float rwv[NC], av[2][NC], amx[NC];
+#pragma unroll
+      for (int k = 0; k < NC; k++) {
+        const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+        rwv[k] = col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
+        amx[k] = 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int rowg = (un.rb * 4 + 2 * c + j) * 64 + r0;
+        const float rsg = p.rs[(size_t)un.e * p.rows + rowg];
+        const float rsu = p.rs[(size_t)un.e * p.rows + rowg + 8];
+#pragma unroll
+        for (int k = 0; k < NC; k++) {
+          const int i = 4 * (k >> 1) + (k & 1);
+          float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
+          if (p.clamp > 0.0f) {
+            gt = fminf(gt, p.clamp);
+            up = fminf(fmaxf(up, -p.clamp), p.clamp);
+          }
+          const float s = gt / (1.0f + expf(-gt));
+          av[j][k] = (s * up) * rwv[k];
+          amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < NC; k++) {
+        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 4));
+        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 8));
+        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 16));
+      }
+      float *red = (float *)(sm + S::kOffRed);
+      if (g == 0)
+#pragma unroll
+        for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + 8 * (k >> 1) + 2 * q + (k & 1)] = amx[k];
+      named_sync(1, 256);
+#pragma unroll
+      for (int k = 0; k < NC; k++) {
+        const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+        float m = 0.0f;
+#pragma unroll
+        for (int x = 0; x < 8; x++) m = fmaxf(m, red[x * BN + col]);
+        m = fmaxf(m, 1e-4f);
+        const float inv = 448.0f / m;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+          const int lch = 32 * (2 * c + j) + 8 * w + g;
+          const uint8_t q8 = f32_to_e4m3(av[j][k] * inv);
+          if (C::kF16)
+            ((uint16_t *)stg)[col * 128 + lch] =
+                __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q8, __NV_E4M3).x;
+          else
+            stg[col * 128 + lch] = q8;
+        }
+        if (c == 0 && w == 0 && g == 0 && col < un.valid)
+          p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
+      }
+      named_sync(1, 256);
+      constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
+      const size_t esz = C::kF16 ? 2 : 1;
+      for (int idx = ct; idx < BN * kChunks; idx += 256) {
+        const int row = idx / kChunks, ck = idx % kChunks;
+        if (row < un.valid)
+          *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
+              *(const uint4 *)(stg + row * 128 * esz + ck * 16);
+      }
+      named_sync(1, 256);
+    } else {
+      const int H = p.rows;
+      uint16_t *stg16 = (uint16_t *)stg;
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int nl = 128 * c + 64 * j + r0 + 8 * h;
+          const float rsv = p.rs[(size_t)un.e * p.rows + un.rb * 256 + nl];
+#pragma unroll
+          for (int k = 0; k < BN / 4; k++) {
+            const int i = 4 * (k >> 1) + 2 * h + (k & 1);
+            const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+            stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
+          }
+        }
+      named_sync(1, 256);
+      for (int idx = ct; idx < BN * 32; idx += 256) {
+        const int row = idx >> 5, ck = idx & 31;
+        if (row < un.valid)
+          *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + ck * 8) =
+              *(const uint4 *)(stg16 + row * 256 + ck * 8);
+      }
+      named_sync(1, 256);
+    }
+  }
+}
+
+/* Token scales transposed to [K/128][Mp]; mode 2 also x as F16. Rows outside
+ * [offsets[0], offsets[E]) are left alone. */
+template <bool F16>
+__global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
+                            int Mp, float *xs_t, uint16_t *x16) {
+  const int r0 = off[0], r1 = off[E], KB = H / 128;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long i = first; i < (long)(r1 - r0) * KB; i += stride) {
+    const int r = r0 + (int)(i / KB), kb = (int)(i % KB);
+    xs_t[(size_t)kb * Mp + r] = xs[(size_t)r * KB + kb];
+  }
+  if (F16) {
+    const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
+    uint2 *o4 = (uint2 *)(x16 + (size_t)r0 * H);
+    for (long i = first; i < (long)(r1 - r0) * (H / 4); i += stride) {
+      const uint32_t v = x4[i];
+      uint2 o;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o.x) : "h"((uint16_t)(v & 0xFFFF)));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o.y) : "h"((uint16_t)(v >> 16)));
+      o4[i] = o;
+    }
+  }
+}
+
+/* --------------------------------------------------------------- host ---- */
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+  if (!fn) {
+    cudaDriverEntryPointQueryResult q;
+    void *f = NULL;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+  }
+  return fn;
+}
+
+/* 2-D map over [outer, inner] (inner contiguous), box {box0, 64}. */
+mm_err *make_map(CUtensorMap *m, CUtensorMapDataType dt, const void *base, uint64_t inner,
+                 uint64_t outer, uint64_t row_bytes, uint32_t box0, uint32_t box1, bool swz) {
+  PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
+  if (!fn) return mm_error(MEGAMOE_CODE_INTERNAL, "cuTensorMapEncodeTiled is not available");
+  cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
+  cuuint32_t box[2] = {box0, box1}, estr[2] = {1, 1};
+  CUresult r = fn(m, dt, 2, const_cast<void *>(base), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  swz ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return mm_error(MEGAMOE_CODE_INTERNAL,
+                    "cuTensorMapEncodeTiled failed (%d) for [%llu, %llu] box {%u, %u}", (int)r,
+                    (unsigned long long)outer, (unsigned long long)inner, box0, box1);
+  return NULL;
+}
+
+int sm_count() {
+  static int n = 0;
+  if (!n) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      n = 132;
+  }
+  return n;
+}
+
+template <int MODE, int GEMM, int BN>
+mm_err *launch(const Params &p, const CUtensorMap &b, const CUtensorMap &s, cudaStream_t st) {
+  using S = Smem<MODE, GEMM, BN>;
+  static bool attr = false;
+  if (!attr) {
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BN>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
+    attr = true;
+  }
+  wg_kernel<MODE, GEMM, BN><<<sm_count(), kThreads, S::kBytes, st>>>(p, b, s);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+template <int MODE, int BN>
+mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                 const mm_sm90_ws *ws, cudaStream_t st) {
+  const bool f16 = MODE == 2;
+  const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
+  const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const uint32_t box0 = f16 ? 64 : 128, sbox = BN + 4;
+  CUtensorMap b1, s1, b2, s2;
+  if (f16) MM_TRY(make_map(&b1, dt, ws->x16, H, Mp, 2ull * H, box0, BN, true));
+  else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, BN, true));
+  MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, sbox, 1,
+                  false));
+  MM_TRY(make_map(&b2, dt, ws->act, I, Mp, (f16 ? 2ull : 1ull) * I, box0, BN, true));
+  MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, sbox, 1,
+                  false));
+  /* maps first: the prep kernel then runs back to back with L1 */
+  prep_kernel<f16><<<2 * sm_count(), 256, 0, st>>>(pool->x, pool->x_scale, pool->expert_offsets,
+                                                   L->E, H, Mp, ws->xs_t, ws->x16);
+  MM_CUDA_TRY(cudaGetLastError());
+  Params p;
+  memset(&p, 0, sizeof(p));
+  p.w = L->d_w;
+  p.expert_bytes = L->expert_bytes;
+  p.lut = L->d_lut;
+  p.offsets = pool->expert_offsets;
+  p.E = L->E;
+  p.Mp = Mp;
+  p.M = M;
+  p.row_weight = pool->row_weight;
+  p.clamp = clamp;
+  p.act = ws->act;
+  p.as_t = ws->as_t;
+  p.out = pool->out;
+  /* L1 */
+  p.mat_off = 0;
+  p.rs = L->d_rs13;
+  p.rows = 2 * I;
+  p.K = H;
+  MM_TRY((launch<MODE, 1, BN>(p, b1, s1, st)));
+  /* L2 */
+  p.mat_off = L->w13_bytes;
+  p.rs = L->d_rs2;
+  p.rows = H;
+  p.K = I;
+  MM_TRY((launch<MODE, 2, BN>(p, b2, s2, st)));
+  return NULL;
+}
+
+}  // namespace
+
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
-  (void)L;
-  return "not built yet";
+  if (L->H % kRowsCta) return "hidden size must be a multiple of 256";
+  if (L->E > kMaxExperts) return "more than 256 local experts";
+  if ((size_t)L->rec != (L->mode == 1 ? Cfg<1, 64>::kRec : L->mode == 2 ? Cfg<2, 64>::kRec : Cfg<3, 64>::kRec))
+    return "record size mismatch";
+  return NULL;
 }
 
 mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                           const mm_sm90_ws *ws, cudaStream_t stream) {
-  return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 WGMMA path not built yet");
+  /* Token tile from the average rows per expert (the counts live on the
+   * device): small tiles in the decode regime waste no MMA and promotion
+   * work; skewed experts just get more tiles. */
+  const int avg = (pool->num_rows_max + L->E - 1) / L->E;
+  const int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+#define MM_RUN_BN(m)                                                     \
+  return bn == 16 ? run_mode<m, 16>(L, pool, clamp, ws, stream)          \
+         : bn == 32 ? run_mode<m, 32>(L, pool, clamp, ws, stream)        \
+                    : run_mode<m, 64>(L, pool, clamp, ws, stream)
+  switch (L->mode) {
+    case MM_WMODE_G32_FP8: MM_RUN_BN(1);
+    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
+    default: MM_RUN_BN(3);
+  }
+#undef MM_RUN_BN
 }

@@ -15,6 +15,7 @@ extern "C" {
 #include "status.h"
 }
 #include "prep.h"
+#include "prep_lut.h"
 
 #define MM_CUDA_TRY(call, what)                                                          \
   do {                                                                                   \
@@ -26,7 +27,7 @@ extern "C" {
 
 namespace {
 
-constexpr int kRequantThreads = 64;
+constexpr int kRequantThreads = 256;  // 8 rows (warps) per block
 
 // ---- number formats (device twins of plugin/formats.c, requant.h) ----------
 
@@ -68,96 +69,125 @@ __device__ __forceinline__ uint32_t e2m1_rne(float x) {
 
 // ---- requant ------------------------------------------------------------------
 
-// One block per row; thread t handles groups t, t + 64, ... in order, then a
-// fixed-shape reduction of the row statistics (deterministic).
+// The reference variant: every element on its own (same formula as the CPU).
+// Same contract as mm_lut_requant_group (prep_lut.h).
 template <bool kE4M3, bool kStats>
+__device__ __forceinline__ uint32_t simple_group(const uint32_t w[4], uint32_t s2, float rs,
+                                                 uint32_t o[4], float st[3], int *bad) {
+  float s16[2];
+  s16[0] = kE4M3 ? e4m3_value(s2 & 0xFFu) : ue8m0_value(s2 & 0xFFu);
+  s16[1] = kE4M3 ? e4m3_value((s2 >> 8) & 0xFFu) : ue8m0_value((s2 >> 8) & 0xFFu);
+  // Group maximum and finiteness from the largest magnitude of each half
+  // (rounding is monotonic), then one pass over the elements.
+  const float ars = fabsf(rs);
+  float amax = 0.0f;
+  *bad = 0;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    float m = __fmul_rn(__fmul_rn(mm_lut_e2m1_mag(mm_lut_max_mag(w[2 * h], w[2 * h + 1])),
+                                  fabsf(s16[h])),
+                        ars);
+    *bad |= (__float_as_uint(m) & 0x7F800000u) == 0x7F800000u;
+    amax = fmaxf(amax, m);
+  }
+  if (*bad) return 0;
+  const uint32_t b = amax == 0.0f ? 127u : exp_byte(__float_as_uint(amax));
+  const float inv = __uint_as_float(b == 254u ? 0x00400000u : (254u - b) << 23);  // 2^(127-b)
+  // One 8-element word at a time (keeps register pressure low).
+#pragma unroll 1
+  for (int k = 0; k < 4; k++) {
+    const uint32_t wk = k == 0 ? w[0] : k == 1 ? w[1] : k == 2 ? w[2] : w[3];
+    const float sk = k < 2 ? s16[0] : s16[1];
+    uint32_t ok = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const uint32_t c = (wk >> (4 * i)) & 0xFu;
+      const float v = __fmul_rn(__fmul_rn(e2m1_value(c), sk), rs);
+      const float x = __fmul_rn(v, inv);
+      const uint32_t oc = e2m1_rne(x);
+      ok |= oc << (4 * i);
+      if (kStats) {
+        const float e = __fsub_rn(fabsf(x), mm_lut_e2m1_mag(oc & 7u));  // exact: same grid
+        st[0] = __fmaf_rn(x, x, st[0]);
+        st[1] = __fmaf_rn(e, e, st[1]);
+        st[2] = fmaxf(st[2], fabsf(e));
+      }
+    }
+    if (k == 0) o[0] = ok;
+    else if (k == 1) o[1] = ok;
+    else if (k == 2) o[2] = ok;
+    else o[3] = ok;
+  }
+  return b;
+}
+
+// One warp per row: lane l handles groups l, l + 32, ... in order (the next
+// group's bytes are loaded before the current one is computed), then a fixed
+// shuffle tree reduces the row statistics (deterministic). kLut picks the
+// lookup-table group routine (prep_lut.h) or the per-element one.
+template <bool kE4M3, bool kStats, bool kLut>
 __global__ void __launch_bounds__(kRequantThreads)
-    requant_kernel(int cols, const uint8_t *__restrict__ codes, const uint8_t *__restrict__ scales,
-                   const float *__restrict__ row_scale, uint8_t *__restrict__ codes_out,
-                   uint8_t *__restrict__ scales_out, double *__restrict__ row_stats,
-                   uint32_t *__restrict__ status) {
-  const int row = blockIdx.x;
+    requant_kernel(int rows, int cols, const uint8_t *__restrict__ codes,
+                   const uint8_t *__restrict__ scales, const float *__restrict__ row_scale,
+                   uint8_t *__restrict__ codes_out, uint8_t *__restrict__ scales_out,
+                   double *__restrict__ row_stats, uint32_t *__restrict__ status) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (kRequantThreads / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
   const int groups = cols / 32;
   const float rs = row_scale ? row_scale[row] : 1.0f;
   const size_t row_codes = (size_t)row * (size_t)(cols / 2);
   const uint4 *in = reinterpret_cast<const uint4 *>(codes + row_codes);
-  const uint16_t *sc = reinterpret_cast<const uint16_t *>(scales + (size_t)row * (size_t)(cols / 16));
+  const uint16_t *sc =
+      reinterpret_cast<const uint16_t *>(scales + (size_t)row * (size_t)(cols / 16));
   uint4 *out = reinterpret_cast<uint4 *>(codes_out + row_codes);
   uint8_t *so = scales_out + (size_t)row * (size_t)groups;
   double src_sq = 0.0, err_sq = 0.0, max_abs = 0.0;
 
-  for (int g = threadIdx.x; g < groups; g += kRequantThreads) {
-    uint4 q = __ldg(in + g);
-    uint32_t s2 = __ldg(sc + g);
-    float s16[2];
-    s16[0] = kE4M3 ? e4m3_value(s2 & 0xFFu) : ue8m0_value(s2 & 0xFFu);
-    s16[1] = kE4M3 ? e4m3_value(s2 >> 8) : ue8m0_value(s2 >> 8);
-    uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    float v[32];
-    float amax = 0.0f;
-    uint32_t bad = 0;
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-      uint32_t c = (w[i / 8] >> ((i % 8) * 4)) & 0xFu;
-      v[i] = __fmul_rn(__fmul_rn(e2m1_value(c), s16[i / 16]), rs);
-      bad |= (__float_as_uint(v[i]) & 0x7F800000u) == 0x7F800000u;
-      amax = fmaxf(amax, fabsf(v[i]));
+  uint4 q_next = make_uint4(0, 0, 0, 0);
+  uint32_t s_next = 0;
+  if (lane < groups) {
+    q_next = __ldg(in + lane);
+    s_next = __ldg(sc + lane);
+  }
+  for (int g = lane; g < groups; g += 32) {
+    const uint4 q = q_next;
+    const uint32_t s2 = s_next;
+    if (g + 32 < groups) {
+      q_next = __ldg(in + g + 32);
+      s_next = __ldg(sc + g + 32);
     }
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    uint32_t o[4] = {0, 0, 0, 0};
+    float st[3] = {0.0f, 0.0f, 0.0f};
+    int bad;
+    const uint32_t b = kLut ? mm_lut_requant_group(w, s2, kE4M3, rs, o, kStats, st, &bad)
+                            : simple_group<kE4M3, kStats>(w, s2, rs, o, st, &bad);
     if (bad) {
       atomicMin(status, (uint32_t)((size_t)row * (size_t)groups + (size_t)g));
       continue;
     }
-    uint32_t b = amax == 0.0f ? 127u : exp_byte(__float_as_uint(amax));
-    float inv = __uint_as_float(b == 254u ? 0x00400000u : (254u - b) << 23);  // 2^(127-b)
-    uint32_t o[4] = {0, 0, 0, 0};
-    float es2 = 0.0f, xs2 = 0.0f, emax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-      float x = __fmul_rn(v[i], inv);
-      uint32_t c = e2m1_rne(x);
-      o[i / 8] |= c << ((i % 8) * 4);
-      if (kStats) {
-        float e = __fsub_rn(x, e2m1_value(c));  // exact: x and the code share a grid
-        es2 = __fmaf_rn(e, e, es2);
-        xs2 = __fmaf_rn(x, x, xs2);
-        emax = fmaxf(emax, fabsf(e));
-      }
-    }
     out[g] = make_uint4(o[0], o[1], o[2], o[3]);
     so[g] = (uint8_t)b;
     if (kStats) {
-      int E = (int)b - 127;
-      src_sq += ldexp((double)xs2, 2 * E);
-      err_sq += ldexp((double)es2, 2 * E);
-      max_abs = fmax(max_abs, ldexp((double)emax, E));
+      const int E = (int)b - 127;
+      src_sq += ldexp((double)st[0], 2 * E);
+      err_sq += ldexp((double)st[1], 2 * E);
+      max_abs = fmax(max_abs, ldexp((double)st[2], E));
     }
   }
 
   if (kStats) {
-    __shared__ double red[3][kRequantThreads / 32];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       src_sq += __shfl_down_sync(0xFFFFFFFFu, src_sq, off);
       err_sq += __shfl_down_sync(0xFFFFFFFFu, err_sq, off);
       max_abs = fmax(max_abs, __shfl_down_sync(0xFFFFFFFFu, max_abs, off));
     }
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
-      red[0][warp] = src_sq;
-      red[1][warp] = err_sq;
-      red[2][warp] = max_abs;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      double a = 0.0, e = 0.0, m = 0.0;
-      for (int i = 0; i < kRequantThreads / 32; i++) {
-        a += red[0][i];
-        e += red[1][i];
-        m = fmax(m, red[2][i]);
-      }
-      row_stats[3 * (size_t)row + 0] = a;
-      row_stats[3 * (size_t)row + 1] = e;
-      row_stats[3 * (size_t)row + 2] = m;
+      row_stats[3 * (size_t)row + 0] = src_sq;
+      row_stats[3 * (size_t)row + 1] = err_sq;
+      row_stats[3 * (size_t)row + 2] = max_abs;
     }
   }
 }
@@ -238,11 +268,11 @@ int grid_for(size_t work, int threads) {
 
 }  // namespace
 
-extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
-                                         const uint8_t *codes, const uint8_t *scales,
-                                         const float *row_scale, uint8_t *codes_out,
-                                         uint8_t *scales_out, double *row_stats,
-                                         uint32_t *status, void *stream) {
+template <bool kLut>
+static mm_err *requant_launch(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
+                              const uint8_t *scales, const float *row_scale, uint8_t *codes_out,
+                              uint8_t *scales_out, double *row_stats, uint32_t *status,
+                              void *stream) {
   MM_ARG_CHECK(rows >= 0 && cols >= 0 && cols % 32 == 0,
                "gpu requant: shape [%d, %d] needs K %% 32 == 0", rows, cols);
   MM_ARG_CHECK(sf == MM_SF_E4M3 || sf == MM_SF_UE8M0, "gpu requant: scale format %d", (int)sf);
@@ -253,30 +283,49 @@ extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
                "gpu requant: code arrays must be 16-byte aligned");
   MM_ARG_CHECK(((uintptr_t)scales & 1u) == 0, "gpu requant: scale array must be 2-byte aligned");
   cudaStream_t st = (cudaStream_t)stream;
-  dim3 grid((unsigned)rows), block(kRequantThreads);
+  dim3 grid((unsigned)((rows + kRequantThreads / 32 - 1) / (kRequantThreads / 32))),
+      block(kRequantThreads);
   if (sf == MM_SF_E4M3) {
     if (row_stats)
-      requant_kernel<true, true><<<grid, block, 0, st>>>(cols, codes, scales, row_scale, codes_out,
-                                                         scales_out, row_stats, status);
+      requant_kernel<true, true, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, row_stats, status);
     else
-      requant_kernel<true, false><<<grid, block, 0, st>>>(cols, codes, scales, row_scale,
-                                                          codes_out, scales_out, NULL, status);
+      requant_kernel<true, false, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, NULL, status);
   } else {
     if (row_stats)
-      requant_kernel<false, true><<<grid, block, 0, st>>>(cols, codes, scales, row_scale,
-                                                          codes_out, scales_out, row_stats, status);
+      requant_kernel<false, true, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, row_stats, status);
     else
-      requant_kernel<false, false><<<grid, block, 0, st>>>(cols, codes, scales, row_scale,
-                                                           codes_out, scales_out, NULL, status);
+      requant_kernel<false, false, kLut><<<grid, block, 0, st>>>(
+          rows, cols, codes, scales, row_scale, codes_out, scales_out, NULL, status);
   }
   MM_CUDA_TRY(cudaGetLastError(), "gpu requant: launch");
   return NULL;
 }
 
-extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
-                                  const uint8_t *scales, const float *row_scale,
-                                  uint8_t *codes_out, uint8_t *scales_out,
-                                  mm_requant_stats *stats, void *stream) {
+extern "C" mm_err *mm_gpu_requant_launch(int rows, int cols, mm_scale_format sf,
+                                         const uint8_t *codes, const uint8_t *scales,
+                                         const float *row_scale, uint8_t *codes_out,
+                                         uint8_t *scales_out, double *row_stats,
+                                         uint32_t *status, void *stream) {
+  return requant_launch<true>(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
+                              row_stats, status, stream);
+}
+
+extern "C" mm_err *mm_gpu_requant_launch_simple(int rows, int cols, mm_scale_format sf,
+                                                const uint8_t *codes, const uint8_t *scales,
+                                                const float *row_scale, uint8_t *codes_out,
+                                                uint8_t *scales_out, double *row_stats,
+                                                uint32_t *status, void *stream) {
+  return requant_launch<false>(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
+                               row_stats, status, stream);
+}
+
+static mm_err *requant_sync(int simple, int rows, int cols, mm_scale_format sf,
+                            const uint8_t *codes, const uint8_t *scales, const float *row_scale,
+                            uint8_t *codes_out, uint8_t *scales_out, mm_requant_stats *stats,
+                            void *stream) {
   if (stats) memset(stats, 0, sizeof(*stats));
   if (rows == 0 || cols == 0) return NULL;
   cudaStream_t st = (cudaStream_t)stream;
@@ -292,8 +341,8 @@ extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const 
                    cudaGetErrorString(ce));
     goto done;
   }
-  err = mm_gpu_requant_launch(rows, cols, sf, codes, scales, row_scale, codes_out, scales_out,
-                              d_stats, d_status, stream);
+  err = (simple ? mm_gpu_requant_launch_simple : mm_gpu_requant_launch)(
+      rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, d_stats, d_status, stream);
   if (err) goto done;
   ce = cudaMemcpyAsync(&h_status, d_status, 4, cudaMemcpyDeviceToHost, st);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
@@ -328,6 +377,23 @@ done:
   cudaFree(d_stats);
   cudaFree(d_status);
   return err;
+}
+
+extern "C" mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
+                                  const uint8_t *scales, const float *row_scale,
+                                  uint8_t *codes_out, uint8_t *scales_out,
+                                  mm_requant_stats *stats, void *stream) {
+  return requant_sync(0, rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, stats,
+                      stream);
+}
+
+extern "C" mm_err *mm_gpu_requant_simple(int rows, int cols, mm_scale_format sf,
+                                         const uint8_t *codes, const uint8_t *scales,
+                                         const float *row_scale, uint8_t *codes_out,
+                                         uint8_t *scales_out, mm_requant_stats *stats,
+                                         void *stream) {
+  return requant_sync(1, rows, cols, sf, codes, scales, row_scale, codes_out, scales_out, stats,
+                      stream);
 }
 
 extern "C" mm_err *mm_gpu_scan_scales_launch(const uint8_t *scales, size_t n, mm_scale_format sf,

@@ -43,6 +43,17 @@ mm_err *mm_gpu_requant(int rows, int cols, mm_scale_format sf, const uint8_t *co
                        const uint8_t *scales, const float *row_scale, uint8_t *codes_out,
                        uint8_t *scales_out, mm_requant_stats *stats, void *stream);
 
+/* The same with the per-element reference kernel instead of the lookup-table
+ * one (identical bytes; slower): for tests and benchmarks. */
+mm_err *mm_gpu_requant_launch_simple(int rows, int cols, mm_scale_format sf,
+                                     const uint8_t *codes, const uint8_t *scales,
+                                     const float *row_scale, uint8_t *codes_out,
+                                     uint8_t *scales_out, double *row_stats, uint32_t *status,
+                                     void *stream);
+mm_err *mm_gpu_requant_simple(int rows, int cols, mm_scale_format sf, const uint8_t *codes,
+                              const uint8_t *scales, const float *row_scale, uint8_t *codes_out,
+                              uint8_t *scales_out, mm_requant_stats *stats, void *stream);
+
 /* Enqueues a scan of n scale bytes for NaN (E4M3: 0x7F/0xFF, UE8M0: 0xFF);
  * *status (device, set to MM_GPU_STATUS_OK first) gets the smallest index of
  * a NaN byte (indices >= 2^32-1 are not reported). */

@@ -43,6 +43,10 @@ typedef struct mm_backend_ops {
   /* Optional: frees the backend's form of one layer (before re-prepare and
    * at destroy); NULL if layers hold nothing backend-owned. */
   void (*release_layer)(mm_op *op, int layer);
+  /* Optional: reports errors that asynchronous work recorded on the device
+   * (bad expert ids, capacity overflow, communicator failure); wait = 1
+   * first waits for the op's work on `stream`. NULL: nothing to report. */
+  mm_err *(*check)(mm_op *op, void *stream, int wait);
 } mm_backend_ops;
 
 /* Frees an array of canonical experts and their matrices (NULL is fine). */

@@ -53,4 +53,5 @@ const mm_backend_ops mm_backend_cpu = {
     .execute = cpu_execute,
     .destroy = cpu_destroy,
     .release_layer = NULL,
+    .check = NULL, /* synchronous: errors are returned by execute itself */
 };

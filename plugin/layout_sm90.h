@@ -1,6 +1,6 @@
 /* layout_sm90.h -- the weight layout of the sm_90a fused expert kernels
  * (kernels/moe_sm90*.cu) and its CPU reference transform from the canonical
- * mm_qmat. Index formulas: docs/LAYOUTS-sm90.md.
+ * mm_qmat. Index formulas: docs/LAYOUTS.md ("sm90 kernel layout").
  *
  * A matrix [rows, cols] is cut into 64-row x 128-column records. A record is
  * what one consumer warpgroup needs for one K-block of one WGMMA m64 tile:

@@ -116,7 +116,7 @@ static megamoe_error *op_get_attributes(megamoe_op_attributes_args *args) {
   args->compute_modes = 0x3u;
   args->num_sm_versions = 0;
   args->num_cuda_devices = 0;
-#ifdef MM_HAVE_CUDA_BACKEND
+#ifdef MM_HAVE_CUDA
   args->num_cuda_devices = mm_cuda_device_count();
   args->num_sm_versions = 1;
   args->sm_versions[0] = 90;
@@ -127,7 +127,7 @@ static megamoe_error *op_get_attributes(megamoe_op_attributes_args *args) {
   args->capabilities |= MEGAMOE_CAP_NCCL;
 #endif
   args->build_info = "megamoe 0.1.0"
-#ifdef MM_HAVE_CUDA_BACKEND
+#ifdef MM_HAVE_CUDA
                      " cuda sm_" MM_CUDA_ARCHS
 #else
                      " cpu-only"
@@ -142,14 +142,14 @@ static megamoe_error *op_get_attributes(megamoe_op_attributes_args *args) {
 /* ---- create --------------------------------------------------------------- */
 static const mm_backend_ops *choose_backend(const mm_config *cfg, int device, mm_err **err) {
   int gpus = 0;
-#ifdef MM_HAVE_CUDA_BACKEND
+#ifdef MM_HAVE_CUDA
   gpus = mm_cuda_device_count();
 #endif
   switch (cfg->backend) {
     case MM_BACKEND_CPU_REFERENCE:
       return &mm_backend_cpu;
     case MM_BACKEND_CUDA:
-#ifdef MM_HAVE_CUDA_BACKEND
+#ifdef MM_HAVE_CUDA
       if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
       *err = mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
                       "backend 'cuda' requested, but device %d is not one of the %d visible GPUs",
@@ -160,7 +160,7 @@ static const mm_backend_ops *choose_backend(const mm_config *cfg, int device, mm
 #endif
       return NULL;
     default:
-#ifdef MM_HAVE_CUDA_BACKEND
+#ifdef MM_HAVE_CUDA
       if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
 #endif
       (void)gpus;
@@ -489,9 +489,17 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   return NULL;
 }
 
+static megamoe_error *op_check(megamoe_op_check_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, "check");
+  mm_op *op = (mm_op *)args->op;
+  MM_TRY(check_op(op, "check"));
+  if (!op->backend->check || op->state != MM_OP_PLANNED) return NULL;
+  return mm_error_wrap(op->backend->check(op, args->stream, args->wait), "check");
+}
+
 static const megamoe_op_api g_api = {
     MEGAMOE_OP_API_STRUCT_SIZE, NULL, MEGAMOE_ABI_MAJOR, MEGAMOE_ABI_MINOR, op_get_attributes,
     op_create, op_prepare_weights, op_plan, op_execute, op_destroy, op_get_info,
-    op_validate_config};
+    op_validate_config, op_check};
 
 const megamoe_op_api *mm_op_api(void) { return &g_api; }

@@ -20,6 +20,14 @@ void mm_requant_stats_merge(mm_requant_stats *acc, const mm_requant_stats *s) {
   acc->rel_rms = acc->src_sq > 0.0 ? sqrt(acc->err_sq / acc->src_sq) : 0.0;
 }
 
+/* 2^(127 - b) as FP32 bits: exact for every byte (254 gives the subnormal 2^-127). */
+static inline float inv_scale(uint8_t b) {
+  uint32_t bits = b == 254 ? 0x00400000u : (uint32_t)(254 - b) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
 uint8_t mm_requant_group32(const float v[32], uint8_t codes[16]) {
   float amax = 0.0f;
   for (int i = 0; i < 32; i++) {
@@ -33,8 +41,7 @@ uint8_t mm_requant_group32(const float v[32], uint8_t codes[16]) {
   uint32_t bits;
   memcpy(&bits, &amax, 4);
   uint8_t b = mm_requant_exp_byte(bits);
-  /* 2^-E is exact in FP32 for E in [-127, 127] (2^-127 is subnormal). */
-  float inv = ldexpf(1.0f, 127 - (int)b);
+  float inv = inv_scale(b);
   for (int j = 0; j < 16; j++) {
     uint8_t lo = mm_requant_e2m1_rne(v[2 * j] * inv);
     uint8_t hi = mm_requant_e2m1_rne(v[2 * j + 1] * inv);
@@ -53,11 +60,8 @@ typedef struct {
   uint8_t *codes_out, *scales_out;
   row_result *rows;
   int want_stats;
+  float scale_lut[256]; /* group-16 scale byte -> value */
 } requant_ctx;
-
-static float group16_scale(mm_scale_format sf, uint8_t b) {
-  return sf == MM_SF_E4M3 ? mm_e4m3_to_float(b) : mm_ue8m0_to_float(b);
-}
 
 static void requant_rows(void *arg, size_t begin, size_t end) {
   requant_ctx *c = arg;
@@ -72,9 +76,9 @@ static void requant_rows(void *arg, size_t begin, size_t end) {
     row_result res = {0.0, 0.0, 0.0, -1};
     for (size_t g = 0; g < g32; g++) {
       float v[32];
-      int finite = 1;
+      uint32_t nonfinite = 0;
       for (int h = 0; h < 2; h++) {
-        float s16 = group16_scale(s->sf, sc[2 * g + (size_t)h]);
+        float s16 = c->scale_lut[sc[2 * g + (size_t)h]];
         const uint8_t *p = in + 16 * g + 8 * (size_t)h;
         for (int j = 0; j < 8; j++) {
           float a = kE2M1[p[j] & 0xF] * s16, b = kE2M1[p[j] >> 4] * s16;
@@ -82,22 +86,29 @@ static void requant_rows(void *arg, size_t begin, size_t end) {
           v[16 * h + 2 * j + 1] = b * rs;
         }
       }
-      for (int i = 0; i < 32; i++) finite &= isfinite(v[i]) != 0;
-      if (!finite) {
+      for (int i = 0; i < 32; i++) {
+        uint32_t u;
+        memcpy(&u, &v[i], 4);
+        nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
+      }
+      if (nonfinite) {
         res.bad_group = (int)g;
         break;
       }
       uint8_t b = mm_requant_group32(v, out + 16 * g);
       so[g] = b;
       if (c->want_stats) {
-        double step = ldexp(1.0, (int)b - 127);
+        double step = ldexp(1.0, (int)b - 127), gs = 0.0, ge = 0.0, gm = 0.0;
         for (int i = 0; i < 32; i++) {
           uint8_t code = (uint8_t)((out[16 * g + (size_t)i / 2] >> ((i & 1) * 4)) & 0xF);
-          double d = (double)kE2M1[code] * step, e = (double)v[i] - d;
-          res.src_sq += (double)v[i] * (double)v[i];
-          res.err_sq += e * e;
-          if (fabs(e) > res.max_abs) res.max_abs = fabs(e);
+          double x = (double)v[i], d = x - (double)kE2M1[code] * step;
+          gs += x * x;
+          ge += d * d;
+          gm = fabs(d) > gm ? fabs(d) : gm;
         }
+        res.src_sq += gs;
+        res.err_sq += ge;
+        if (gm > res.max_abs) res.max_abs = gm;
       }
     }
     c->rows[r] = res;
@@ -121,7 +132,10 @@ mm_err *mm_requant_g16_to_g32(const mm_g16_source *src, uint8_t *codes_out,
 
   row_result *rows = malloc(sizeof(row_result) * (size_t)src->rows);
   if (!rows) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "requant: out of memory");
-  requant_ctx ctx = {src, codes_out, scales_out, rows, stats != NULL};
+  requant_ctx ctx = {src, codes_out, scales_out, rows, stats != NULL, {0}};
+  for (int b = 0; b < 256; b++)
+    ctx.scale_lut[b] = src->sf == MM_SF_E4M3 ? mm_e4m3_to_float((uint8_t)b)
+                                             : mm_ue8m0_to_float((uint8_t)b);
   /* Aim for chunks of at least ~64K elements per thread. */
   int nt = mm_thread_count(threads);
   size_t per = (size_t)src->rows * (size_t)src->cols / 65536 + 1;

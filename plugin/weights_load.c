@@ -259,14 +259,14 @@ fail:
 
 /* ---- one layer ------------------------------------------------------------ */
 
-/* Parses "...experts.{E}.{proj}.{field}" ("experts." at the start or after a
- * '.'). Returns 0 and fills e/p/f, or -1 for a name of some other kind. */
-static int parse_name(const char *name, long *e, int *p, int *f) {
+int mm_weights_parse_name(const char *name, size_t *prefix_len, long *expert, mm_proj *proj,
+                          int *field) {
   const char *s = name;
   for (;;) {
     const char *hit = strstr(s, "experts.");
     if (!hit) return -1;
     if (hit == name || hit[-1] == '.') {
+      if (prefix_len) *prefix_len = (size_t)(hit - name);
       s = hit + 8;
       break;
     }
@@ -274,22 +274,24 @@ static int parse_name(const char *name, long *e, int *p, int *f) {
   }
   if (*s < '0' || *s > '9') return -1;
   char *end;
-  *e = strtol(s, &end, 10);
-  if (*end != '.') return -1;
+  long e = strtol(s, &end, 10);
+  if (*end != '.' || e < 0 || e > INT_MAX) return -1;
   s = end + 1;
-  *p = -1;
+  int p = -1;
   for (int i = 0; i < 3; i++) {
     size_t n = strlen(kProjNames[i]);
     if (strncmp(s, kProjNames[i], n) == 0 && s[n] == '.') {
-      *p = i;
+      p = i;
       s += n + 1;
       break;
     }
   }
-  if (*p < 0) return -1;
+  if (p < 0) return -1;
   for (int i = 0; i < 4; i++)
     if (strcmp(s, kFieldNames[i]) == 0) {
-      *f = i;
+      *expert = e;
+      *proj = (mm_proj)p;
+      *field = i;
       return 0;
     }
   return -1;
@@ -375,8 +377,10 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
   /* Index the names of local experts. */
   for (size_t i = 0; i < n; i++) {
     long e;
-    int p, f;
-    if (!tensors[i].name || parse_name(tensors[i].name, &e, &p, &f) != 0) continue;
+    mm_proj p;
+    int f;
+    if (!tensors[i].name || mm_weights_parse_name(tensors[i].name, NULL, &e, &p, &f) != 0)
+      continue;
     if (e < first_expert || e >= first_expert + num_local) continue;
     const mm_tensor_view **slot = &ev[e - first_expert].t[p][f];
     if (*slot) {

@@ -79,6 +79,13 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
                               mm_expert_q *experts_out /* [num_local] */,
                               mm_requant_report *report_out);
 
+/* Splits "...experts.{E}.{proj}.{field}" ("experts." at the start or after
+ * a '.'): *prefix_len (may be NULL) gets the bytes before "experts.", field
+ * 0 weight, 1 weight_scale, 2 weight_scale_2, 3 input_scale. Returns 0, or
+ * -1 for a name of any other kind (e.g. "shared_experts.*", "gate.weight"). */
+int mm_weights_parse_name(const char *name, size_t *prefix_len, long *expert, mm_proj *proj,
+                          int *field);
+
 /* The tensors of one projection (scale_2 and input_scale may be NULL). */
 typedef struct mm_proj_views {
   const mm_tensor_view *weight, *scale, *scale_2, *input_scale;

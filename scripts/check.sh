@@ -5,6 +5,7 @@
 # -fsanitize=address,undefined (CPU-only build) with its `make check`.
 # Ends with "N passed, N failed, N skipped" over both builds.
 #   CHECK_SANITIZERS=0  skip the sanitizer build
+#   CHECK_DISTCHECK=1   also run `make distcheck` (always on in CI)
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${JOBS:-$(nproc)}
@@ -29,6 +30,16 @@ if [ "${CHECK_SANITIZERS:-1}" != 0 ]; then
   BUILD_DIR="$src/build-asan" "$src/scripts/bootstrap.sh" --without-cuda --enable-sanitizers \
     CFLAGS="-O1 -g" || exit 1
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_suite "$src/build-asan"
+fi
+
+# The release tarball builds and passes its own tests (CI, or on request).
+if [ "${CI:-}" = true ] || [ "${CHECK_DISTCHECK:-0}" = 1 ]; then
+  echo "check: make distcheck"
+  if ! make -C "$src/build" -j"$jobs" distcheck >"$src/build/distcheck.log" 2>&1; then
+    status=1
+    tail -30 "$src/build/distcheck.log"
+    echo "check: make distcheck FAILED"
+  fi
 fi
 
 # One closing line over every build that ran.

@@ -30,9 +30,10 @@ typedef struct {
   int max_rand;
   float clamp;
   int extreme; /* mode 1: wide exponent spread */
+  int exact;   /* sums exact in any accumulator: x in {0, +-1}, unit scales */
 } shape;
 
-static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme) {
+static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme, int exact) {
   const int gran = mode == MM_WMODE_G32_FP8 ? 32 : 16;
   mm_qmat *ms[2] = {&x->w13, &x->w2};
   const int rows[2] = {2 * I, H}, cols[2] = {H, I};
@@ -54,7 +55,7 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
           } while (mm_e4m3_is_nan(b));
           if (mm_test_rand_u64() % 16 == 0) b = (uint8_t)(mm_test_rand_u64() % 8); /* subnormal/zero */
         }
-        m->scales[(size_t)r * G + g] = b;
+        m->scales[(size_t)r * G + g] = exact ? (gran == 32 ? 127 : 0x38) : b;
       }
       /* NVFP4: per-projection globals (gate and up may differ) */
       if (gran == 16) m->row_scale[r] = (j == 0 && r >= I) ? 0.004f : 0.0025f;
@@ -68,6 +69,8 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
     for (int r = 0; r < m->rows; r++) m->row_scale[r] *= norm;
     if (extreme && j == 1)
       for (int r = 0; r < m->rows; r++) m->row_scale[r] = ldexpf(1.0f, 60) * norm;
+    if (exact)
+      for (int r = 0; r < m->rows; r++) m->row_scale[r] = 1.0f / 64.0f;
   }
 }
 
@@ -89,6 +92,66 @@ static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, 
   return r2 > 0 ? sqrt(e2 / r2) : (e2 > 0 ? 1.0 : 0.0);
 }
 
+/* The reference intermediate of ref_moe.h for one expert's rows: FP8 codes
+ * [m, I] and scales [m, I/128] (same formulas, float64 dots). */
+static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, const float *xs,
+                             const float *rw, float clamp, uint8_t *aq, float *as) {
+  const int H = e->w13.cols, I = e->w2.cols, KB = H / 128;
+  double *x = malloc(sizeof(double) * H);
+  float *a = malloc(sizeof(float) * I), *wg = malloc(sizeof(float) * H), *wu = malloc(sizeof(float) * H);
+  for (int i = 0; i < m; i++) {
+    for (int k = 0; k < H; k++)
+      x[k] = (double)mm_e4m3_to_float(xq[(size_t)i * H + k]) * xs[(size_t)i * KB + k / 128];
+    for (int c = 0; c < I; c++) {
+      double g = 0, u = 0;
+      for (int k = 0; k < H; k++) {
+        g += x[k] * (double)mm_qmat_weight(&e->w13, c, k);
+        u += x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+      }
+      float gf = mm_round_bf16((float)(g * e->w13.row_scale[c]));
+      float uf = mm_round_bf16((float)(u * e->w13.row_scale[I + c]));
+      if (clamp > 0) {
+        gf = fminf(gf, clamp);
+        uf = fminf(fmaxf(uf, -clamp), clamp);
+      }
+      a[c] = mm_swiglu_weighted(gf, uf, rw[i]);
+    }
+    for (int b = 0; b < I / 128; b++)
+      mm_quant_fp8_block(a + b * 128, 128, aq + (size_t)i * I + b * 128, as + (size_t)i * (I / 128) + b);
+  }
+  free(x);
+  free(a);
+  free(wg);
+  free(wu);
+}
+
+/* Intermediate check: every FP8 code within one step of the reference (a
+ * rounding flip), few flips, scales within 1e-3. */
+static void check_intermediate(const uint8_t *gq, const float *gs, const uint8_t *rq,
+                               const float *rs, int rows, int I, const char *what,
+                               double max_far_frac, double max_flip_frac, double max_scale_rel) {
+  size_t flips = 0, far = 0, n = (size_t)rows * I;
+  double smax = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (gq[i] == rq[i]) continue;
+    float a = mm_e4m3_to_float(gq[i]), b = mm_e4m3_to_float(rq[i]);
+    /* adjacent codes of the same sign (or +-0 / smallest subnormal) */
+    int adj = (abs((int)(gq[i] & 0x7F) - (int)(rq[i] & 0x7F)) == 1 && ((gq[i] ^ rq[i]) & 0x80) == 0) ||
+              (fabsf(a) <= 0.001953125f && fabsf(b) <= 0.001953125f);
+    if (adj) flips++;
+    else far++;
+  }
+  for (size_t i = 0; i < (size_t)rows * (I / 128); i++) {
+    double d = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
+    if (d > smax) smax = d;
+  }
+  printf("#   %s intermediate: %zu of %zu FP8 codes one step off, %zu further; scale max rel %.2e\n",
+         what, flips, n, far, smax);
+  CHECK(far <= (size_t)(max_far_frac * (double)n));
+  CHECK(flips <= (size_t)(max_flip_frac * (double)n) + 2);
+  CHECK(smax <= max_scale_rel);
+}
+
 static int g_have_wgmma_fail = 0;
 
 static void run_case(mm_weight_mode mode, const shape *s) {
@@ -102,7 +165,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   const int Mused = offs[E], M = Mused + 3; /* capacity beyond the pool */
   const int KB = H / 128;
   mm_expert_q *ex = calloc((size_t)E, sizeof(*ex));
-  for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, s->extreme);
+  for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, s->extreme, s->exact);
   uint8_t *xq = malloc((size_t)M * H);
   float *xs = malloc(sizeof(float) * (size_t)M * KB), *rw = malloc(sizeof(float) * M);
   uint16_t *ref = malloc(2 * (size_t)M * H), *got = malloc(2 * (size_t)M * H);
@@ -116,12 +179,25 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     }
     mm_ref_quant_act(xb, M, H, xq, xs);
     free(xb);
+    if (s->exact) { /* every L1 dot product is a small multiple of 1/2: exact everywhere */
+      static const uint8_t kUnit[3] = {0x00, 0x38, 0xB8};
+      for (size_t i = 0; i < (size_t)M * H; i++) xq[i] = kUnit[mm_test_rand_u64() % 3];
+      for (size_t i = 0; i < (size_t)M * KB; i++) xs[i] = 0.125f;
+    }
   }
   for (int i = 0; i < M; i++) rw[i] = mm_test_uniform(0.05f, 1.0f);
   for (int e = 0; e < E; e++)
     mm_ref_expert_rows(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
                        rw + offs[e], s->clamp, ref + (size_t)offs[e] * H);
 
+  uint8_t *rq = malloc((size_t)M * I + 1), *gq = malloc((size_t)M * I + 1);
+  float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
+        *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
+  if (mode != MM_WMODE_G16_FP8) /* mode 3 computes with folded weights */
+    for (int e = 0; e < E; e++)
+      ref_intermediate(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
+                       rw + offs[e], s->clamp, rq + (size_t)offs[e] * I,
+                       rsc + (size_t)offs[e] * (I / 128));
   mm_sm90_layer *L = NULL;
   mm_err *err = mm_sm90_layer_create(ex, E, mode, NULL, &L);
   CHECK_OK(err);
@@ -140,7 +216,9 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     CUDA_OK(cudaMemcpy(d_xs, xs, sizeof(float) * (size_t)M * KB, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
     mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out};
-    const double tol = mode == MM_WMODE_G16_FP8 ? 2.0 * mm_sm90_layer_fold_error(L) + 2e-3 : 1e-3;
+    /* mode 3: the weight fold error (E4M3 rounding) passes through both
+     * GEMMs and the requant: bound 4x the measured weight error. */
+    const double tol_m3 = 4.0 * mm_sm90_layer_fold_error(L);
     for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_WGMMA; path++) {
       CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H)); /* NaN */
       CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
@@ -154,6 +232,19 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK_OK(err);
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+      /* Mode 1 on FP8 WGMMA (QGMMA): the FP8 tensor cores add with about 14
+       * bits (DeepSeek-V3 sec. 3.3) between the FP32 promotions every 128 K,
+       * relative to the largest partial sum, so after cancellation single L1
+       * outputs are off by up to ~0.5% on random data; the FP8 requant turns
+       * that into one-step code flips and the output lands at a few 1e-3
+       * relative (DeepGEMM's kernels behave the same). Promoting every k32
+       * step only halved it (measured). Exact-sum data pins the decode: there
+       * the intermediate must match bit for bit. CUDA-core path and mode 2
+       * (F16 MMAs, exact products, FP32 accumulation): 1e-3. */
+      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3
+                         : (mode == MM_WMODE_G32_FP8 && path == MM_SM90_PATH_WGMMA && !s->exact)
+                             ? 1e-2
+                             : 1e-3;
       int nan_rows;
       double rel = rel_frob(got, ref, Mused, H, &nan_rows);
       printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: rel %.3e (tol %.1e) nan rows %d\n",
@@ -162,6 +253,16 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK(nan_rows == 0);
       CHECK(rel <= tol);
       for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
+      if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
+        CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
+        /* exact-sum data: L1 is exact on every path (only expf ulps can
+         * flip an FP8 rounding); FP8 WGMMA otherwise carries the tensor-core
+         * accumulation error (see above) */
+        const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8 && !s->exact;
+        check_intermediate(gq, gsc, rq, rsc, Mused, I, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma",
+                           qg ? 1e-3 : 0.0, qg ? 0.02 : (s->exact ? 0.002 : 0.01),
+                           qg ? 2e-2 : 1e-6);
+      }
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
     cudaFree(d_off);
@@ -183,6 +284,10 @@ done:
   free(rw);
   free(ref);
   free(got);
+  free(rq);
+  free(gq);
+  free(rsc);
+  free(gsc);
 }
 
 static const int k_counts_a[] = {5, 0, 70};
@@ -191,28 +296,41 @@ static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
 
 static const shape k_shapes[] = {
-    {256, 128, 3, k_counts_a, 0, 0.0f, 0},
-    {512, 256, 1, k_counts_one, 0, 0.0f, 0},
-    {256, 128, 4, k_counts_all, 0, 3.0f, 0},
-    {256, 128, 32, NULL, 9, 0.0f, 0},
-    {256, 256, 2, k_counts_empty, 0, 0.0f, 0},
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0},
+    {512, 256, 1, k_counts_one, 0, 0.0f, 0, 0},
+    {256, 128, 4, k_counts_all, 0, 3.0f, 0, 0},
+    {256, 128, 32, NULL, 9, 0.0f, 0, 0},
+    {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
-  for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++) run_case(mode, &k_shapes[i]);
+  /* MEGAMOE_TEST_QUICK (sanitizer runs): two shapes per mode */
+  const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
+  for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
+    if (!quick || i == 0 || i == 3) run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
 static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
 static void test_mode1_extreme_exponents(void) {
-  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1};
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s);
+}
+
+/* Decode pinned down: x in {0, +-1}, unit group scales, so every L1 sum is
+ * exact in any accumulator; the intermediate must match bit for bit. */
+static void test_exact_sums(void) {
+  const shape s1 = {512, 256, 2, k_counts_a, 0, 0.0f, 0, 1};
+  run_case(MM_WMODE_G32_FP8, &s1);
+  const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1};
+  run_case(MM_WMODE_G32_FP8, &s2);
+  run_case(MM_WMODE_G16_BF16_EXACT, &s1);
 }
 
 static void test_bad_args(void) {
   mm_expert_q ex;
   memset(&ex, 0, sizeof(ex));
-  make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0);
+  make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0, 0);
   mm_sm90_layer *L = NULL;
   /* wrong mode for the scale format: refused at load, nothing allocated */
   CHECK_ERR(mm_sm90_layer_create(&ex, 1, MM_WMODE_G16_BF16_EXACT, NULL, &L),
@@ -237,5 +355,6 @@ int main(void) {
   RUN(test_mode2_g16_exact);
   RUN(test_mode3_g16_fp8);
   RUN(test_mode1_extreme_exponents);
+  RUN(test_exact_sums);
   return mm_test_done();
 }

@@ -12,6 +12,7 @@
 #include "harness.h"
 #include "layout_sm100.h"
 #include "prep.h"
+#include "prep_golden.h"
 #include "requant.h"
 
 #define CU(call)                                                                  \
@@ -45,7 +46,10 @@ static void requant_case(int rows, int cols, mm_scale_format sf, int with_rs, in
   for (size_t i = 0; i < cb; i++) codes[i] = (uint8_t)mm_test_rand_u64();
   for (size_t i = 0; i < s16; i++)
     scales[i] = sf == MM_SF_E4M3 ? rand_e4m3() : (uint8_t)(mm_test_rand_u64() % 240);
-  for (int r = 0; with_rs && r < rows; r++) rs[r] = mm_test_uniform(1e-4f, 4.0f);
+  for (int r = 0; with_rs && r < rows; r++)
+    rs[r] = (r % 5 == 3 ? -1.0f : 1.0f) * mm_test_uniform(1e-4f, 4.0f); /* some negative */
+  if (sf == MM_SF_E4M3)
+    for (size_t i = 0; i < s16; i += 7) scales[i] |= 0x80; /* negative group scales */
   if (edges && rows >= 4) {
     memset(codes, 0, (size_t)cols / 2);                   /* zero row */
     memset(codes + cols / 2, 0x88, (size_t)cols / 2);     /* -0 row */
@@ -70,15 +74,26 @@ static void requant_case(int rows, int cols, mm_scale_format sf, int with_rs, in
   CU(cudaMemcpy(gs, d_os, s32, cudaMemcpyDeviceToHost));
   CHECK_MSG(memcmp(gc, cc, cb) == 0, "codes differ [%d, %d] sf %d", rows, cols, (int)sf);
   CHECK_MSG(memcmp(gs, cs, s32) == 0, "scales differ [%d, %d] sf %d", rows, cols, (int)sf);
-  CHECK_NEAR(gst.rel_rms, cst.rel_rms, 1e-5 * (cst.rel_rms + 1e-30));
-  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * (cst.max_abs + 1e-30));
+  CHECK_NEAR(gst.rel_rms, cst.rel_rms, 1e-5 * cst.rel_rms + 1e-12);
+  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * cst.max_abs);
   CHECK_EQ_INT(gst.count, cst.count);
 
-  /* Without stats: same bytes. */
-  CU(cudaMemset(d_oc, 0x5A, cb));
-  CHECK_OK(mm_gpu_requant(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os, NULL, NULL));
-  CU(cudaMemcpy(gc, d_oc, cb, cudaMemcpyDeviceToHost));
-  CHECK(memcmp(gc, cc, cb) == 0);
+  /* Without stats, and the per-element reference kernel: same bytes. */
+  for (int variant = 0; variant < 3; variant++) {
+    CU(cudaMemset(d_oc, 0x5A, cb));
+    CU(cudaMemset(d_os, 0x5A, s32));
+    mm_requant_stats vst;
+    if (variant == 0)
+      CHECK_OK(mm_gpu_requant(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os, NULL, NULL));
+    else
+      CHECK_OK(mm_gpu_requant_simple(rows, cols, sf, d_codes, d_scales, d_rs, d_oc, d_os,
+                                     variant == 2 ? &vst : NULL, NULL));
+    CU(cudaMemcpy(gc, d_oc, cb, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(gs, d_os, s32, cudaMemcpyDeviceToHost));
+    CHECK_MSG(memcmp(gc, cc, cb) == 0 && memcmp(gs, cs, s32) == 0, "variant %d [%d, %d] sf %d",
+              variant, rows, cols, (int)sf);
+    if (variant == 2) CHECK_NEAR(vst.rel_rms, cst.rel_rms, 1e-5 * cst.rel_rms + 1e-12);
+  }
 
   cudaFree(d_codes), cudaFree(d_scales), cudaFree(d_rs), cudaFree(d_oc), cudaFree(d_os);
   free(codes), free(scales), free(rs), free(cc), free(cs), free(gc), free(gs);
@@ -181,6 +196,96 @@ static void test_sm100_export(void) {
   }
 }
 
+/* Golden requant files on the GPU: dst.weight / dst.weight_scale exactly. */
+static void test_golden_requant(void) {
+  for (size_t fi = 0; fi < sizeof kGoldenRequantFiles / sizeof kGoldenRequantFiles[0]; fi++) {
+    mm_st_file *f = golden_open(kGoldenRequantFiles[fi]);
+    CHECK(f != NULL);
+    if (!f) continue;
+    const mm_st_tensor *tw = NULL, *ts = NULL, *tg = NULL;
+    uint8_t *w = golden_read(f, "src.weight", &tw), *sc = golden_read(f, "src.weight_scale", &ts);
+    float *g = mm_st_find(f, "src.weight_scale_2") ? golden_read(f, "src.weight_scale_2", &tg) : NULL;
+    uint8_t *dw = golden_read(f, "dst.weight", NULL), *ds = golden_read(f, "dst.weight_scale", NULL);
+    CHECK(w && sc && dw && ds);
+    if (w && sc && dw && ds) {
+      int N = (int)tw->shape[0], K = 2 * (int)tw->shape[1];
+      mm_scale_format sf = ts->dtype == MM_ST_F8_E4M3 ? MM_SF_E4M3 : MM_SF_UE8M0;
+      float *rs = malloc(sizeof(float) * (size_t)N);
+      for (int r = 0; r < N; r++) rs[r] = g ? g[0] : 1.0f;
+      size_t cb = (size_t)N * K / 2, sb = (size_t)N * K / 32;
+      uint8_t *dc = dup_to_device(w, cb), *dsc = dup_to_device(sc, (size_t)N * K / 16), *oc, *os;
+      float *drs = dup_to_device(rs, sizeof(float) * (size_t)N);
+      CU(cudaMalloc((void **)&oc, cb));
+      CU(cudaMalloc((void **)&os, sb));
+      CU(cudaMemset(oc, 0xAB, cb));
+      CU(cudaMemset(os, 0xAB, sb));
+      mm_requant_stats st;
+      CHECK_OK(mm_gpu_requant(N, K, sf, dc, dsc, drs, oc, os, &st, NULL));
+      uint8_t *hc = malloc(cb), *hs = malloc(sb);
+      CU(cudaMemcpy(hc, oc, cb, cudaMemcpyDeviceToHost));
+      CU(cudaMemcpy(hs, os, sb, cudaMemcpyDeviceToHost));
+      CHECK_MSG(memcmp(hc, dw, cb) == 0, "%s: GPU dst.weight differs", kGoldenRequantFiles[fi]);
+      CHECK_MSG(memcmp(hs, ds, sb) == 0, "%s: GPU dst.weight_scale differs", kGoldenRequantFiles[fi]);
+      const char *m = mm_st_metadata(f, "rel_rms_error");
+      if (m) CHECK_NEAR(st.rel_rms, strtod(m, NULL), 1e-5 * strtod(m, NULL));
+      printf("# GPU %s [%d, %d]: bytes %s, rel RMS %.6f\n", kGoldenRequantFiles[fi], N, K,
+             memcmp(hc, dw, cb) || memcmp(hs, ds, sb) ? "DIFFER" : "identical", st.rel_rms);
+      cudaFree(dc), cudaFree(dsc), cudaFree(drs), cudaFree(oc), cudaFree(os);
+      free(rs), free(hc), free(hs);
+    }
+    free(w), free(sc), free(g), free(dw), free(ds);
+    mm_st_close(f);
+  }
+}
+
+/* Golden sm100 files on the GPU. */
+static void test_golden_sm100(void) {
+  for (size_t fi = 0; fi < sizeof kGoldenSm100Files / sizeof kGoldenSm100Files[0]; fi++) {
+    mm_st_file *f = golden_open(kGoldenSm100Files[fi]);
+    CHECK(f != NULL);
+    if (!f) continue;
+    mm_sm100_shape s = {atoi(mm_st_metadata(f, "E")), atoi(mm_st_metadata(f, "H")),
+                        atoi(mm_st_metadata(f, "I")), atoi(mm_st_metadata(f, "gran_k"))};
+    uint8_t *w13 = golden_read(f, "w13", NULL), *w2 = golden_read(f, "w2", NULL);
+    float *f13 = golden_read(f, "s13", NULL), *f2 = golden_read(f, "s2", NULL);
+    uint8_t *gw13 = golden_read(f, "sm100.w13", NULL);
+    int32_t *gs13 = golden_read(f, "sm100.s13", NULL), *gs2 = golden_read(f, "sm100.s2", NULL);
+    CHECK(w13 && w2 && f13 && f2 && gw13 && gs13 && gs2);
+    if (w13 && w2 && f13 && f2 && gw13 && gs13 && gs2) {
+      size_t b13 = mm_sm100_w13_bytes(&s), b2 = mm_sm100_w2_bytes(&s);
+      size_t c13 = mm_sm100_s13_bytes(&s), c2 = mm_sm100_s2_bytes(&s);
+      size_t n13 = 4 * mm_sm100_s13_words(&s), n2 = 4 * mm_sm100_s2_words(&s);
+      uint8_t *u13 = malloc(c13), *u2 = malloc(c2);
+      CHECK_OK(mm_f32_scales_to_ue8m0(f13, c13, u13, "s13"));
+      CHECK_OK(mm_f32_scales_to_ue8m0(f2, c2, u2, "s2"));
+      mm_sm100_canon d = {dup_to_device(w13, b13), dup_to_device(u13, c13), dup_to_device(w2, b2),
+                          dup_to_device(u2, c2)};
+      mm_sm100_packed g;
+      CU(cudaMalloc((void **)&g.w13, b13));
+      CU(cudaMalloc((void **)&g.s13, n13));
+      CU(cudaMalloc((void **)&g.w2, b2));
+      CU(cudaMalloc((void **)&g.s2, n2));
+      CU(cudaMemset(g.s13, 0xEE, n13));
+      CU(cudaMemset(g.s2, 0xEE, n2));
+      CHECK_OK(mm_gpu_sm100_export_launch(&s, &d, &g, NULL));
+      CU(cudaDeviceSynchronize());
+      uint8_t *t = malloc(b13 > n13 ? b13 : n13);
+      CU(cudaMemcpy(t, g.w13, b13, cudaMemcpyDeviceToHost));
+      CHECK_MSG(memcmp(t, gw13, b13) == 0, "%s: GPU sm100.w13", kGoldenSm100Files[fi]);
+      CU(cudaMemcpy(t, g.s13, n13, cudaMemcpyDeviceToHost));
+      CHECK_MSG(memcmp(t, gs13, n13) == 0, "%s: GPU sm100.s13", kGoldenSm100Files[fi]);
+      CU(cudaMemcpy(t, g.s2, n2, cudaMemcpyDeviceToHost));
+      CHECK_MSG(memcmp(t, gs2, n2) == 0, "%s: GPU sm100.s2", kGoldenSm100Files[fi]);
+      printf("# GPU %s checked\n", kGoldenSm100Files[fi]);
+      free(t), free(u13), free(u2);
+      cudaFree(d.w13), cudaFree(d.s13), cudaFree(d.w2), cudaFree(d.s2);
+      cudaFree(g.w13), cudaFree(g.s13), cudaFree(g.w2), cudaFree(g.s2);
+    }
+    free(w13), free(w2), free(f13), free(f2), free(gw13), free(gs13), free(gs2);
+    mm_st_close(f);
+  }
+}
+
 int main(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return mm_test_skip_all("no GPU");
@@ -188,5 +293,7 @@ int main(void) {
   RUN(test_requant_random);
   RUN(test_requant_errors);
   RUN(test_sm100_export);
+  RUN_GOLDEN(test_golden_requant);
+  RUN_GOLDEN(test_golden_sm100);
   return mm_test_done();
 }

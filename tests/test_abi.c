@@ -284,7 +284,10 @@ static void test_lifecycle_matches_reference(void) {
   CHECK(info.backend && strcmp(info.backend, "cpu-reference") == 0);
   CHECK_EQ_INT(info.num_layers_ready, 2);
   CHECK_EQ_INT(info.gran_k, 16);
+  megamoe_op_check_args ck = {MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, NULL, op, NULL, 1};
+  CHECK_OK(g_api->check(&ck)); /* the cpu backend reports errors synchronously */
   destroy(op, 1);
+  CHECK_ERR(g_api->check(&ck), MEGAMOE_CODE_INVALID_ARGUMENT); /* stale handle */
   destroy(op, 0); /* double destroy is an error, not a crash */
   CHECK_ERR(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT); /* stale handle */
   destroy(NULL, 1);

@@ -10,6 +10,7 @@
 
 #include "harness.h"
 #include "layout_sm100.h"
+#include "prep_golden.h"
 
 /* ---- the second implementation -------------------------------------------
  * A logical int32 tensor [G, MN, P] of packed words (dense, row-major here);
@@ -238,11 +239,70 @@ static void test_from_experts(void) {
   for (int e = 0; e < E; e++) mm_qmat_free(&x[e].w13), mm_qmat_free(&x[e].w2);
 }
 
+/* "[2, 384, 10]" -> 3 numbers. */
+static int parse_list(const char *s, long v[3]) {
+  return s && sscanf(s, "[%ld, %ld, %ld]", &v[0], &v[1], &v[2]) == 3;
+}
+
+/* The golden files: export equals sm100.*, the metadata shapes/strides match
+ * the formulas, and the import recovers the inputs. */
+static void test_golden(void) {
+  for (size_t fi = 0; fi < sizeof kGoldenSm100Files / sizeof kGoldenSm100Files[0]; fi++) {
+    mm_st_file *f = golden_open(kGoldenSm100Files[fi]);
+    CHECK(f != NULL);
+    if (!f) continue;
+    const char *fn = kGoldenSm100Files[fi];
+    mm_sm100_shape s = {atoi(mm_st_metadata(f, "E")), atoi(mm_st_metadata(f, "H")),
+                        atoi(mm_st_metadata(f, "I")), atoi(mm_st_metadata(f, "gran_k"))};
+    const mm_st_tensor *t13 = NULL, *t2 = NULL, *o13 = NULL, *o2 = NULL;
+    uint8_t *w13 = golden_read(f, "w13", NULL), *w2 = golden_read(f, "w2", NULL);
+    float *f13 = golden_read(f, "s13", &t13), *f2 = golden_read(f, "s2", &t2);
+    uint8_t *gw13 = golden_read(f, "sm100.w13", NULL), *gw2 = golden_read(f, "sm100.w2", NULL);
+    int32_t *gs13 = golden_read(f, "sm100.s13", &o13), *gs2 = golden_read(f, "sm100.s2", &o2);
+    CHECK(w13 && w2 && f13 && f2 && gw13 && gw2 && gs13 && gs2);
+    if (!(w13 && w2 && f13 && f2 && gw13 && gw2 && gs13 && gs2)) goto next;
+    CHECK(t13->nelems == mm_sm100_s13_bytes(&s) && t2->nelems == mm_sm100_s2_bytes(&s));
+    CHECK(o13->nelems == mm_sm100_s13_words(&s) && o2->nelems == mm_sm100_s2_words(&s));
+    long sh[3], st[3];
+    int P13 = mm_sm100_packed_k(mm_sm100_sfk(s.H, s.gran)), P2 = mm_sm100_packed_k(mm_sm100_sfk(s.I, s.gran));
+    int M13 = mm_sm100_tma_mn(2 * s.I), M2 = mm_sm100_tma_mn(s.H);
+    CHECK(parse_list(mm_st_metadata(f, "s13_shape"), sh) && sh[0] == s.E && sh[1] == 2 * s.I && sh[2] == P13);
+    CHECK(parse_list(mm_st_metadata(f, "s13_strides"), st) && st[0] == (long)P13 * M13 && st[1] == 1 && st[2] == M13);
+    CHECK(parse_list(mm_st_metadata(f, "s2_shape"), sh) && sh[0] == s.E && sh[1] == s.H && sh[2] == P2);
+    CHECK(parse_list(mm_st_metadata(f, "s2_strides"), st) && st[0] == (long)P2 * M2 && st[1] == 1 && st[2] == M2);
+
+    mm_sm100_canon c = {w13, malloc(mm_sm100_s13_bytes(&s)), w2, malloc(mm_sm100_s2_bytes(&s))};
+    CHECK_OK(mm_f32_scales_to_ue8m0(f13, mm_sm100_s13_bytes(&s), c.s13, "s13"));
+    CHECK_OK(mm_f32_scales_to_ue8m0(f2, mm_sm100_s2_bytes(&s), c.s2, "s2"));
+    mm_sm100_packed p = alloc_packed(&s, 0xA5);
+    CHECK_OK(mm_sm100_export(&s, &c, &p, 0));
+    CHECK_MSG(memcmp(p.w13, gw13, mm_sm100_w13_bytes(&s)) == 0, "%s: sm100.w13", fn);
+    CHECK_MSG(memcmp(p.w2, gw2, mm_sm100_w2_bytes(&s)) == 0, "%s: sm100.w2", fn);
+    CHECK_MSG(memcmp(p.s13, gs13, 4 * mm_sm100_s13_words(&s)) == 0, "%s: sm100.s13", fn);
+    CHECK_MSG(memcmp(p.s2, gs2, 4 * mm_sm100_s2_words(&s)) == 0, "%s: sm100.s2", fn);
+    /* The golden output through the inverse gives the inputs back. */
+    mm_sm100_packed g = {gw13, gs13, gw2, gs2};
+    mm_sm100_canon b = {malloc(mm_sm100_w13_bytes(&s)), malloc(mm_sm100_s13_bytes(&s)),
+                        malloc(mm_sm100_w2_bytes(&s)), malloc(mm_sm100_s2_bytes(&s))};
+    CHECK_OK(mm_sm100_import(&s, &g, &b, 0));
+    CHECK(memcmp(b.w13, w13, mm_sm100_w13_bytes(&s)) == 0 && memcmp(b.w2, w2, mm_sm100_w2_bytes(&s)) == 0);
+    CHECK(memcmp(b.s13, c.s13, mm_sm100_s13_bytes(&s)) == 0 && memcmp(b.s2, c.s2, mm_sm100_s2_bytes(&s)) == 0);
+    printf("# %s: E %d H %d I %d gran %d identical\n", fn, s.E, s.H, s.I, s.gran);
+    mm_sm100_canon_free(&b);
+    free(c.s13), free(c.s2);
+    free_packed(&p);
+  next:
+    free(w13), free(w2), free(f13), free(f2), free(gw13), free(gw2), free(gs13), free(gs2);
+    mm_st_close(f);
+  }
+}
+
 int main(void) {
   mm_test_seed();
   RUN(test_index_maps);
   RUN(test_against_second_impl);
   RUN(test_errors);
   RUN(test_from_experts);
+  RUN_GOLDEN(test_golden);
   return mm_test_done();
 }

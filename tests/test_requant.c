@@ -9,7 +9,10 @@
 
 #include "formats.h"
 #include "harness.h"
+#include "prep_golden.h"
+#include "prep_lut.h"
 #include "requant.h"
+#include "weights_load.h"
 
 static const double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 
@@ -268,6 +271,176 @@ static void test_qmat(void) {
   mm_qmat_free(&q);
 }
 
+/* The GPU kernel's lookup-table formulation (kernels/prep_lut.h), run here on
+ * the CPU: same bytes as the reference on random data with negative scales
+ * and row factors, subnormal and extreme scales, zeros; stats close. */
+static void lut_compare(const mm_g16_source *s) {
+  size_t cb = (size_t)s->rows * (size_t)s->cols / 2, sb = (size_t)s->rows * (size_t)s->cols / 32;
+  uint8_t *rc = malloc(cb), *rsb = malloc(sb), *lc = malloc(cb), *ls = malloc(sb);
+  mm_requant_stats ref;
+  mm_err *e = mm_requant_g16_to_g32(s, rc, rsb, 1, &ref);
+  int ref_bad = e != NULL, lut_bad = 0;
+  mm_error_free(e);
+  double xs = 0, es = 0, em = 0;
+  for (int r = 0; r < s->rows && !lut_bad; r++) {
+    float rs = s->row_scale ? s->row_scale[r] : 1.0f;
+    for (int g = 0; g < s->cols / 32 && !lut_bad; g++) {
+      const uint8_t *in = s->codes + (size_t)r * (size_t)(s->cols / 2) + 16 * (size_t)g;
+      const uint8_t *sc = s->scales + (size_t)r * (size_t)(s->cols / 16) + 2 * (size_t)g;
+      uint32_t w[4], out[4];
+      memcpy(w, in, 16); /* little-endian: element 8k+i in nibble i of word k */
+      float st[3] = {0, 0, 0};
+      int bad;
+      uint32_t b = mm_lut_requant_group(w, (uint32_t)sc[0] | ((uint32_t)sc[1] << 8),
+                                        s->sf == MM_SF_E4M3, rs, out, 1, st, &bad);
+      if (bad) {
+        lut_bad = 1;
+        break;
+      }
+      memcpy(lc + (size_t)r * (size_t)(s->cols / 2) + 16 * (size_t)g, out, 16);
+      ls[(size_t)r * (size_t)(s->cols / 32) + (size_t)g] = (uint8_t)b;
+      int E = (int)b - 127;
+      xs += ldexp((double)st[0], 2 * E);
+      es += ldexp((double)st[1], 2 * E);
+      em = fmax(em, ldexp((double)st[2], E));
+    }
+  }
+  CHECK_EQ_INT(lut_bad, ref_bad);
+  if (!ref_bad && !lut_bad) {
+    CHECK_MSG(memcmp(lc, rc, cb) == 0, "LUT codes differ [%d, %d] sf %d", s->rows, s->cols, (int)s->sf);
+    CHECK_MSG(memcmp(ls, rsb, sb) == 0, "LUT scales differ [%d, %d]", s->rows, s->cols);
+    double rel = xs > 0 ? sqrt(es / xs) : 0;
+    /* Errors of subnormal-range values are lost in the GPU's 2^E units. */
+    CHECK_NEAR(rel, ref.rel_rms, 1e-5 * ref.rel_rms + 1e-12);
+    CHECK_NEAR(em, ref.max_abs, 1e-6 * ref.max_abs + 1e-30 * ref.max_abs);
+  }
+  free(rc), free(rsb), free(lc), free(ls);
+}
+
+static void test_lut_formulation(void) {
+  static const int shapes[][2] = {{1, 32}, {3, 96}, {7, 160}, {33, 2048}, {16, 6144}};
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+    for (int sf = 1; sf <= 2; sf++) {
+      rand_src x;
+      make_src(&x, shapes[i][0], shapes[i][1], (mm_scale_format)sf, 1);
+      int n16 = shapes[i][0] * shapes[i][1] / 16;
+      for (int k = 0; k < n16; k++) {
+        uint64_t u = mm_test_rand_u64();
+        if (sf == 1) x.scales[k] = (uint8_t)(rand_e4m3_scale() | (u % 4 == 0 ? 0x80 : 0)); /* signs */
+        else x.scales[k] = (uint8_t)(u % 7 == 0 ? u % 3 : u % 5 == 0 ? 250 - u % 3 : 90 + u % 60);
+        if (u % 13 == 0) memset(x.codes + 8 * (size_t)k, (int)(u >> 8) & 0x88, 8); /* zeros, -0 */
+      }
+      for (int r = 0; r < shapes[i][0]; r++) {
+        uint64_t u = mm_test_rand_u64();
+        x.rs[r] = (u % 3 == 0 ? -1.0f : 1.0f) * (sf == 2 ? ldexpf(1.0f, (int)(u % 5) - 2)
+                                                          : mm_test_uniform(1e-6f, 8.0f));
+        if (u % 11 == 0) x.rs[r] = 1e-38f; /* subnormal products */
+      }
+      lut_compare(&x.s);
+      x.scales[0] = sf == 1 ? 0xFF : 0xFF; /* NaN: both must refuse */
+      lut_compare(&x.s);
+      free_src(&x);
+    }
+}
+
+/* ---- golden files ---------------------------------------------------------- */
+
+static int same_float_bits(float a, float b) {
+  uint32_t x, y;
+  memcpy(&x, &a, 4);
+  memcpy(&y, &b, 4);
+  return x == y || (isnan(a) && isnan(b));
+}
+
+static void test_golden_codecs(void) {
+  mm_st_file *f = golden_open("codecs.safetensors");
+  CHECK(f != NULL);
+  if (!f) return;
+  const mm_st_tensor *t = NULL;
+  uint8_t *c = golden_read(f, "e2m1.code", &t);
+  float *v = golden_read(f, "e2m1.value", NULL);
+  CHECK(c && v);
+  for (uint64_t i = 0; c && v && i < t->nelems; i++)
+    CHECK_MSG(same_float_bits(mm_e2m1_to_float(c[i]), v[i]), "e2m1 code %u", c[i]);
+  free(c), free(v);
+  c = golden_read(f, "e4m3.code", &t);
+  v = golden_read(f, "e4m3.value", NULL);
+  CHECK(c && v && t->nelems == 256);
+  for (uint64_t i = 0; c && v && i < t->nelems; i++)
+    CHECK_MSG(same_float_bits(mm_e4m3_to_float(c[i]), v[i]), "e4m3 byte 0x%02x", c[i]);
+  free(c), free(v);
+  float *in = golden_read(f, "e2m1_rne.input", &t);
+  c = golden_read(f, "e2m1_rne.code", NULL);
+  CHECK(in && c);
+  int bad = 0;
+  for (uint64_t i = 0; in && c && i < t->nelems; i++) {
+    float x = in[i] > 6.0f ? 6.0f : in[i] < -6.0f ? -6.0f : in[i]; /* README: clipped first */
+    if (mm_requant_e2m1_rne(x) != c[i] && bad++ < 5)
+      printf("# e2m1_rne(%a) = %u, golden %u\n", (double)in[i], mm_requant_e2m1_rne(x), c[i]);
+  }
+  CHECK_EQ_INT(bad, 0);
+  printf("# codecs: %llu rne inputs\n", (unsigned long long)(t ? t->nelems : 0));
+  free(in), free(c);
+  mm_st_close(f);
+}
+
+/* Every requant golden file: the loader's format detection, the source
+ * values (src.dequant), the requantized bytes (dst.*), the dequantized result
+ * (dst.dequant) and the recorded relative RMS error. */
+static void test_golden_requant(void) {
+  for (size_t fi = 0; fi < sizeof kGoldenRequantFiles / sizeof kGoldenRequantFiles[0]; fi++) {
+    mm_st_file *f = golden_open(kGoldenRequantFiles[fi]);
+    CHECK(f != NULL);
+    if (!f) continue;
+    const mm_st_tensor *tw = NULL, *ts = NULL, *tg = NULL, *tdw = NULL, *tds = NULL;
+    uint8_t *w = golden_read(f, "src.weight", &tw), *sc = golden_read(f, "src.weight_scale", &ts);
+    float *g = mm_st_find(f, "src.weight_scale_2") ? golden_read(f, "src.weight_scale_2", &tg) : NULL;
+    float *sdq = golden_read(f, "src.dequant", NULL), *ddq = golden_read(f, "dst.dequant", NULL);
+    uint8_t *dw = golden_read(f, "dst.weight", &tdw), *ds = golden_read(f, "dst.weight_scale", &tds);
+    CHECK(w && sc && sdq && ddq && dw && ds);
+    if (!(w && sc && sdq && ddq && dw && ds)) goto next;
+    mm_tensor_view vw = golden_view("src.weight", tw, w), vs = golden_view("src.weight_scale", ts, sc);
+    mm_tensor_view vg;
+    if (g) vg = golden_view("src.weight_scale_2", tg, g);
+    mm_proj_views pv = {&vw, &vs, g ? &vg : NULL, NULL};
+    mm_qmat q, d;
+    CHECK_OK(mm_weights_decode_proj("src", &pv, 0, 0, 0, 0, &q, NULL));
+    if (!q.codes) goto next;
+    int N = q.rows, K = q.cols;
+    CHECK(q.gran == 16 && q.sf == (ts->dtype == MM_ST_F8_E4M3 ? MM_SF_E4M3 : MM_SF_UE8M0));
+    int bad = 0;
+    for (int r = 0; r < N; r++)
+      for (int k = 0; k < K; k++) {
+        float v = mm_qmat_weight(&q, r, k) * q.row_scale[r];
+        bad += !same_float_bits(v, sdq[(size_t)r * (size_t)K + (size_t)k]);
+      }
+    CHECK_MSG(bad == 0, "%s: %d source values differ from src.dequant", kGoldenRequantFiles[fi], bad);
+    mm_requant_stats st;
+    CHECK_OK(mm_requant_qmat(&q, 0, &d, &st));
+    if (d.codes) {
+      CHECK(tdw->nbytes == (uint64_t)N * (uint64_t)K / 2 && tds->nbytes == (uint64_t)N * (uint64_t)K / 32);
+      CHECK_MSG(memcmp(d.codes, dw, (size_t)N * (size_t)K / 2) == 0, "%s: dst.weight differs",
+                kGoldenRequantFiles[fi]);
+      CHECK_MSG(memcmp(d.scales, ds, (size_t)N * (size_t)K / 32) == 0, "%s: dst.weight_scale differs",
+                kGoldenRequantFiles[fi]);
+      bad = 0;
+      for (int r = 0; r < N; r++)
+        for (int k = 0; k < K; k++)
+          bad += !same_float_bits(mm_qmat_weight(&d, r, k), ddq[(size_t)r * (size_t)K + (size_t)k]);
+      CHECK_MSG(bad == 0, "%s: %d values differ from dst.dequant", kGoldenRequantFiles[fi], bad);
+      const char *m = mm_st_metadata(f, "rel_rms_error");
+      if (m) CHECK_NEAR(st.rel_rms, strtod(m, NULL), 1e-6 * strtod(m, NULL));
+      printf("# %s [%d, %d]: rel RMS %.6f (metadata %s), max abs %.4g\n", kGoldenRequantFiles[fi],
+             N, K, st.rel_rms, m ? m : "-", st.max_abs);
+    }
+    mm_qmat_free(&d);
+    mm_qmat_free(&q);
+  next:
+    free(w), free(sc), free(g), free(sdq), free(ddq), free(dw), free(ds);
+    mm_st_close(f);
+  }
+}
+
 int main(void) {
   mm_test_seed();
   RUN(test_e2m1_rne);
@@ -276,5 +449,8 @@ int main(void) {
   RUN(test_edge_cases);
   RUN(test_errors);
   RUN(test_qmat);
+  RUN(test_lut_formulation);
+  RUN_GOLDEN(test_golden_codecs);
+  RUN_GOLDEN(test_golden_requant);
   return mm_test_done();
 }

@@ -276,6 +276,8 @@ static void test_geom_errors(void) {
   CHECK_ERR(mm_route_geom_check(&g), MEGAMOE_CODE_INVALID_ARGUMENT);
 }
 
+static int64_t sm90_ws_per_row(int H, int I, int mode2);
+
 static mm_ep_size_args glm5(int R, int T) {
   mm_ep_size_args a = {R, 256, 8, 6144, 2048, T, T < 256 ? T : 256, MM_EP_POOL_FACTOR_DEFAULT, -1};
   return a;
@@ -301,30 +303,45 @@ static void test_sizing(void) {
   mm_ep_size_args a = glm5(8, 4096);
   mm_ep_sizes s;
   CHECK_OK(mm_ep_size(&a, &s));
+  a.workspace_bytes = s.pool_rows * sm90_ws_per_row(a.hidden, a.intermediate, 0);
+  CHECK_OK(mm_ep_size(&a, &s));
   CHECK_MSG(s.device_total <= 1536ull << 20, "%.3f GiB", s.device_total / 1073741824.0);
   a.hidden = 100;
   CHECK_ERR(mm_ep_size(&a, &s), MEGAMOE_CODE_INVALID_ARGUMENT);
 }
 
+/* Workspace per pool row of the sm90 compute, as kernels/moe_sm90.cu's
+ * mm_sm90_ws_carve lays it out today: FP32 x scales^T, (mode 2: a 16-bit copy
+ * of x), the SwiGLU output (8 or 16 bit) and its FP32 scales^T. */
+static int64_t sm90_ws_per_row(int H, int I, int mode2) {
+  return (int64_t)H / 128 * 4 + (mode2 ? 2LL * H : 0) + (mode2 ? 2 : 1) * (int64_t)I + I / 128 * 4;
+}
+
 static void print_table(void) {
-  printf("| ep-size | tokens/rank | low-latency cap | pool rows | recv rows | region x (MiB) | "
-         "region y (MiB) | small (MiB) | device total (GiB) | pinned host (KiB) |\n");
-  printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  printf("| ep-size | tokens/rank | low-latency cap | pool rows | recv rows | weight mode | "
+         "region x (MiB) | region y (MiB) | small (MiB) | device total (GiB) | pinned host (KiB) |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int Rs[] = {8, 16, 64}, Ts[] = {128, 4096, 8192};
   for (int i = 0; i < 3; i++)
-    for (int j = 0; j < 3; j++) {
-      mm_ep_size_args a = glm5(Rs[i], Ts[j]);
-      mm_ep_sizes s;
-      mm_err *e = mm_ep_size(&a, &s);
-      if (e) {
-        megamoe_error_destroy(e);
-        continue;
+    for (int j = 0; j < 3; j++)
+      for (int m2 = 0; m2 < 2; m2++) {
+        mm_ep_size_args a = glm5(Rs[i], Ts[j]);
+        mm_ep_sizes s;
+        mm_err *e = mm_ep_size(&a, &s); /* pool rows do not depend on the workspace */
+        if (!e) {
+          a.workspace_bytes = s.pool_rows * sm90_ws_per_row(a.hidden, a.intermediate, m2);
+          e = mm_ep_size(&a, &s);
+        }
+        if (e) {
+          megamoe_error_destroy(e);
+          continue;
+        }
+        printf("| %d | %d | %d | %lld | %lld | %s | %.1f | %.1f | %.1f | %.3f | %.1f |\n", Rs[i],
+               Ts[j], a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
+               m2 ? "2 (g16 exact)" : "1 / 3 (fp8)", s.region_x / 1048576.0,
+               s.region_y / 1048576.0, s.meta / 1048576.0, s.device_total / 1073741824.0,
+               s.host_total / 1024.0);
       }
-      printf("| %d | %d | %d | %lld | %lld | %.1f | %.1f | %.1f | %.3f | %.1f |\n", Rs[i], Ts[j],
-             a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
-             s.region_x / 1048576.0, s.region_y / 1048576.0, s.meta / 1048576.0,
-             s.device_total / 1073741824.0, s.host_total / 1024.0);
-    }
 }
 
 int main(int argc, char **argv) {

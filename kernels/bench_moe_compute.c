@@ -1,0 +1,316 @@
+/* bench_moe_compute.c -- benchmark of the sm90 fused expert compute on one
+ * GPU: one EP rank's local experts (default GLM-5 at EP8: E_loc 32, H 6144,
+ * I 2048), pools of M rows (uniform or skewed over the experts), median time
+ * of CUDA-event-timed calls after warm-up with input sets rotated beyond L2.
+ * Ceilings measured in the same run: HBM streaming read, cuBLASLt FP8 and
+ * BF16 dense GEMM (8192^3), and a cuBLASLt FP8 baseline with the same FLOPs
+ * (the two dense GEMMs [M,H]x[H,2I], [M,I]x[I,H]).
+ *
+ *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
+ *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
+ *     [--profile-only]
+ * --requant: a gran-16 checkpoint requantized to gran 32 (runs mode 1);
+ * --profile-only: only the expert compute (for ncu / nsys), no baselines. */
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_compute.h"
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
+#define CKM(x)                                                                         \
+  do {                                                                                 \
+    mm_err *e_ = (x);                                                                  \
+    if (e_) {                                                                          \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, e_->message);         \
+      exit(1);                                                                         \
+    }                                                                                  \
+  } while (0)
+#define CKL(x)                                                                         \
+  do {                                                                                 \
+    cublasStatus_t s_ = (x);                                                           \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                 \
+      fprintf(stderr, "%s:%d: %s: cublas status %d\n", __FILE__, __LINE__, #x, (int)s_); \
+      return -1.0;                                                                     \
+    }                                                                                  \
+  } while (0)
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return x < y ? -1 : x > y;
+}
+static float median(float *v, int n) {
+  qsort(v, (size_t)n, sizeof(float), cmp_f);
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---------------------------------------------------------- cuBLASLt ---- */
+
+typedef struct {
+  cublasLtHandle_t lt;
+  void *ws;
+  size_t ws_bytes;
+} lt_ctx;
+
+/* D[m, n] (col-major, BF16) = A^T B with A [k, m], B [k, n] (TN), type ab.
+ * Returns the median ms of `iters` runs, or < 0 when unsupported. */
+static double lt_time(lt_ctx *c, int m, int n, int k, cudaDataType_t ab, const void *A,
+                      const void *B, void *D, int iters, cudaStream_t st) {
+  cublasLtMatmulDesc_t op = NULL;
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+  CKL(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  CKL(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  CKL(cublasLtMatrixLayoutCreate(&la, ab, k, m, k));
+  CKL(cublasLtMatrixLayoutCreate(&lb, ab, k, n, k));
+  CKL(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, m, n, m));
+  cublasLtMatmulPreference_t pref = NULL;
+  CKL(cublasLtMatmulPreferenceCreate(&pref));
+  CKL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &c->ws_bytes, sizeof(c->ws_bytes)));
+  cublasLtMatmulHeuristicResult_t h;
+  int found = 0;
+  CKL(cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, ld, ld, pref, 1, &h, &found));
+  if (!found) return -1.0;
+  float alpha = 1.0f, beta = 0.0f;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  float *t = malloc(sizeof(float) * (size_t)(iters + 3));
+  for (int i = 0; i < iters + 3; i++) {
+    CK(cudaEventRecord(e0, st));
+    CKL(cublasLtMatmul(c->lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &h.algo, c->ws,
+                       c->ws_bytes, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    if (i >= 3) CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
+  }
+  double ms = median(t, iters);
+  free(t);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(op);
+  return ms;
+}
+
+/* ---------------------------------------------------------------- main ---- */
+
+typedef struct {
+  void *x, *xs, *rw, *out, *off;
+} input_set;
+
+int main(int argc, char **argv) {
+  int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
+  int profile_only = 0;
+  mm_sm90_path path = MM_SM90_PATH_WGMMA;
+  int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
+    if (!strcmp(a, "--gran-k")) gran = atoi(v), i++;
+    else if (!strcmp(a, "--requant")) requant = 1;
+    else if (!strcmp(a, "--compute")) bf16_exact = !strcmp(v, "bf16-exact"), i++;
+    else if (!strcmp(a, "--E")) E = atoi(v), i++;
+    else if (!strcmp(a, "--H")) H = atoi(v), i++;
+    else if (!strcmp(a, "--I")) I = atoi(v), i++;
+    else if (!strcmp(a, "--iters")) iters = atoi(v), i++;
+    else if (!strcmp(a, "--profile-only")) profile_only = 1;
+    else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
+    else if (!strcmp(a, "--M")) {
+      nM = 0;
+      for (char *s = strtok((char *)v, ","); s && nM < 16; s = strtok(NULL, ",")) Ms[nM++] = atoi(s);
+      i++;
+    } else {
+      fprintf(stderr, "unknown option %s (see the header of bench_moe_compute.c)\n", a);
+      return 2;
+    }
+  }
+  const mm_weight_mode mode = (gran == 32 || requant) ? MM_WMODE_G32_FP8
+                              : bf16_exact            ? MM_WMODE_G16_BF16_EXACT
+                                                      : MM_WMODE_G16_FP8;
+  const char *mode_name = mode == MM_WMODE_G32_FP8 ? (requant ? "g16->g32 requant, fp8" : "g32 fp8")
+                          : mode == MM_WMODE_G16_BF16_EXACT ? "g16 bf16-exact (F16 HGMMA)"
+                                                            : "g16 fp8 (folded, lossy)";
+  int dev = 0;
+  CK(cudaSetDevice(dev));
+  struct cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, dev));
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d\n", prop.name,
+         prop.multiProcessorCount, mode_name, E, H, I, iters);
+
+  mm_sm90_layer *L = NULL;
+  CKM(mm_sm90_layer_create_random(E, H, I, mode, 12345, st, &L));
+  const double wbytes_all = (double)mm_sm90_layer_device_bytes(L);
+
+  /* ceilings */
+  double hbm_gbs = 0, lt_fp8_peak = 0, lt_bf16_peak = 0;
+  lt_ctx lc = {0};
+  if (!profile_only) {
+    const size_t rb = (size_t)4 << 30;
+    void *buf;
+    float *sink;
+    CK(cudaMalloc(&buf, rb));
+    CK(cudaMalloc((void **)&sink, 4096 * sizeof(float)));
+    CK(cudaMemset(buf, 1, rb));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float t[7];
+    for (int i = 0; i < 9; i++) {
+      CK(cudaEventRecord(e0, st));
+      CKM(mm_sm90_bench_read(buf, rb, sink, st));
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      if (i >= 2) CK(cudaEventElapsedTime(&t[i - 2], e0, e1));
+    }
+    hbm_gbs = (double)rb / (median(t, 7) * 1e-3) / 1e9;
+    CK(cudaFree(buf));
+    CK(cudaFree(sink));
+    if (cublasLtCreate(&lc.lt) != CUBLAS_STATUS_SUCCESS) {
+      fprintf(stderr, "cublasLtCreate failed\n");
+      return 1;
+    }
+    lc.ws_bytes = 64 << 20;
+    CK(cudaMalloc(&lc.ws, lc.ws_bytes));
+    const int n = 8192;
+    void *A, *B, *D;
+    CK(cudaMalloc(&A, (size_t)n * n * 2));
+    CK(cudaMalloc(&B, (size_t)n * n * 2));
+    CK(cudaMalloc(&D, (size_t)n * n * 2));
+    CKM(mm_sm90_bench_fill_fp8(A, (size_t)n * n * 2, 1, st));
+    CKM(mm_sm90_bench_fill_fp8(B, (size_t)n * n * 2, 2, st));
+    const double fl = 2.0 * n * (double)n * n;
+    double ms = lt_time(&lc, n, n, n, CUDA_R_8F_E4M3, A, B, D, 10, st);
+    lt_fp8_peak = ms > 0 ? fl / (ms * 1e-3) / 1e12 : 0;
+    CK(cudaMemset(A, 0, (size_t)n * n * 2));
+    CK(cudaMemset(B, 0, (size_t)n * n * 2));
+    ms = lt_time(&lc, n, n, n, CUDA_R_16BF, A, B, D, 10, st);
+    lt_bf16_peak = ms > 0 ? fl / (ms * 1e-3) / 1e12 : 0;
+    CK(cudaFree(A));
+    CK(cudaFree(B));
+    CK(cudaFree(D));
+    printf("# ceilings: HBM read %.0f GB/s; cuBLASLt dense 8192^3: FP8 %.0f TFLOP/s, BF16 %.0f "
+           "TFLOP/s\n",
+           hbm_gbs, lt_fp8_peak, lt_bf16_peak);
+  }
+  printf("# weights %.1f MB (%.4f bytes/weight incl. scales)\n", wbytes_all / 1e6,
+         wbytes_all / (3.0 * H * (double)I * E));
+  printf("| M | rows/expert | time us | TFLOP/s | weight TB/s | %% HBM read | %% cuBLASLt FP8 peak "
+         "| cuBLASLt FP8 same-FLOPs us | ratio (cuBLASLt / ours) |\n"
+         "|---|---|---|---|---|---|---|---|---|\n");
+
+  for (int mi = 0; mi < nM; mi++)
+    for (int skew = 0; skew < 2; skew++) {
+      const int M = Ms[mi];
+      int *offs = malloc(sizeof(int) * (E + 1));
+      /* uniform: M/E each; skewed: expert 0 takes half, the rest share the rest */
+      offs[0] = 0;
+      for (int e = 0; e < E; e++) {
+        int c;
+        if (!skew) c = M / E + (e < M % E);
+        else if (e == 0) c = E > 1 ? M / 2 : M;
+        else c = (M - M / 2) / (E - 1) + (e - 1 < (M - M / 2) % (E - 1));
+        offs[e + 1] = offs[e] + c;
+      }
+      const size_t set_bytes = (size_t)M * H * 3 + (size_t)M * (H / 128 + 1) * 4;
+      int nsets = (int)((2 * 50e6) / (double)set_bytes) + 1;
+      if (nsets < 2) nsets = 2;
+      if (nsets > 16) nsets = 16;
+      input_set sets[16];
+      for (int s = 0; s < nsets; s++) {
+        CK(cudaMalloc(&sets[s].x, (size_t)M * H));
+        CK(cudaMalloc(&sets[s].xs, sizeof(float) * (size_t)M * (H / 128)));
+        CK(cudaMalloc(&sets[s].rw, sizeof(float) * (size_t)M));
+        CK(cudaMalloc(&sets[s].out, 2 * (size_t)M * H));
+        CK(cudaMalloc(&sets[s].off, sizeof(int) * (E + 1)));
+        CKM(mm_sm90_bench_fill_fp8(sets[s].x, (size_t)M * H, 100 + s, st));
+        CKM(mm_sm90_bench_fill_uniform(sets[s].xs, (size_t)M * (H / 128), 0.01f, 0.02f, 200 + s, st));
+        CKM(mm_sm90_bench_fill_uniform(sets[s].rw, (size_t)M, 0.1f, 1.0f, 300 + s, st));
+        CK(cudaMemcpyAsync(sets[s].off, offs, sizeof(int) * (E + 1), cudaMemcpyHostToDevice, st));
+      }
+      const size_t wsb = mm_sm90_workspace_bytes(L, M);
+      void *ws;
+      CK(cudaMalloc(&ws, wsb));
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      float *t = malloc(sizeof(float) * (size_t)iters);
+      for (int i = 0; i < iters + 3; i++) {
+        input_set *s = &sets[i % nsets];
+        mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out};
+        CK(cudaEventRecord(e0, st));
+        CKM(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        if (i >= 3) CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
+      }
+      const double ms = median(t, iters);
+      const double flops = 6.0 * M * (double)H * I;
+      int active = 0;
+      for (int e = 0; e < E; e++) active += offs[e + 1] > offs[e];
+      const double wb = wbytes_all * active / E;
+      double lt_ms = -1;
+      if (!profile_only) {
+        /* same FLOPs: dense FP8 [M,H]x[H,2I] then [M,I]x[I,H] */
+        void *W1, *W2, *X, *Y, *Z;
+        CK(cudaMalloc(&W1, (size_t)2 * I * H));
+        CK(cudaMalloc(&W2, (size_t)H * I));
+        CK(cudaMalloc(&X, (size_t)M * H));
+        CK(cudaMalloc(&Y, (size_t)M * 2 * I * 2));
+        CK(cudaMalloc(&Z, (size_t)M * H * 2));
+        CKM(mm_sm90_bench_fill_fp8(W1, (size_t)2 * I * H, 7, st));
+        CKM(mm_sm90_bench_fill_fp8(W2, (size_t)H * I, 8, st));
+        CKM(mm_sm90_bench_fill_fp8(X, (size_t)M * H, 9, st));
+        double a = lt_time(&lc, 2 * I, M, H, CUDA_R_8F_E4M3, W1, X, Y, iters, st);
+        double b = lt_time(&lc, H, M, I, CUDA_R_8F_E4M3, W2, X, Z, iters, st);
+        lt_ms = a > 0 && b > 0 ? a + b : -1;
+        cudaFree(W1);
+        cudaFree(W2);
+        cudaFree(X);
+        cudaFree(Y);
+        cudaFree(Z);
+      }
+      const double tf = flops / (ms * 1e-3) / 1e12;
+      const double wtbs = wb / (ms * 1e-3) / 1e12;
+      char hbm[32] = "n/a", pk[32] = "n/a", lt[32] = "n/a", ratio[32] = "n/a";
+      if (hbm_gbs > 0) snprintf(hbm, sizeof(hbm), "%.0f%%", 100.0 * wtbs * 1e3 / hbm_gbs);
+      if (lt_fp8_peak > 0) snprintf(pk, sizeof(pk), "%.0f%%", 100.0 * tf / lt_fp8_peak);
+      if (lt_ms > 0) {
+        snprintf(lt, sizeof(lt), "%.1f", lt_ms * 1e3);
+        snprintf(ratio, sizeof(ratio), "%.2f", lt_ms / ms);
+      }
+      printf("| %d %s | %.0f%s | %.1f | %.1f | %.2f | %s | %s | %s | %s |\n", M,
+             skew ? "skewed" : "uniform", (double)M / E, skew ? " (e0: M/2)" : "", ms * 1e3, tf,
+             wtbs, hbm, pk, lt, ratio);
+      fflush(stdout);
+      free(t);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      cudaFree(ws);
+      for (int s = 0; s < nsets; s++) {
+        cudaFree(sets[s].x);
+        cudaFree(sets[s].xs);
+        cudaFree(sets[s].rw);
+        cudaFree(sets[s].out);
+        cudaFree(sets[s].off);
+      }
+      free(offs);
+    }
+  mm_sm90_layer_destroy(L);
+  return 0;
+}

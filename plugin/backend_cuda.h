@@ -1,0 +1,25 @@
+/* backend_cuda.h -- what the CUDA backend offers beyond backend.h. */
+#ifndef MM_BACKEND_CUDA_H
+#define MM_BACKEND_CUDA_H
+
+#include "backend.h"
+#include "moe_compute.h"
+
+/* The documented check for errors a low-latency execute could not report
+ * without a host sync (invalid expert ids -> INVALID_ARGUMENT, pool overflow
+ * -> RESOURCE_EXHAUSTED, ranks in different modes -> FAILED_PRECONDITION) and
+ * for asynchronous NCCL failures. wait = 1 first waits for the op's work on
+ * `stream` (NULL = the op's own stream) with comm.timeout-ms; wait = 0 reports
+ * what finished steps left. A reported device error is cleared. A
+ * communicator failure (error or timeout) makes the op fatal. The next
+ * non-captured execute calls this with wait = 0 (after issuing its own work,
+ * so the ranks stay in step) and returns what it found. */
+mm_err *mm_cuda_check(mm_op *op, void *stream, int wait);
+
+/* Weight mode for a layer of gran-k `gran` under compute.mode `mode`. */
+mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode);
+
+/* Which dispatch mode execute uses for T tokens (1 normal, 2 low-latency). */
+int mm_cuda_dispatch_mode(const mm_op *op, int T);
+
+#endif
