@@ -71,8 +71,9 @@ run() { # name want_rc args...
   local rc=$?
   local took=$(( $(date +%s) - t0 ))
   local errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+ errors' "$log" | grep -Eo '[0-9]+' | head -1)
-  local lost=$(grep -E 'definitely lost:|indirectly lost:|possibly lost:' "$log" | sed 's/==[0-9]*== *//' | tr -s ' ' | paste -sd';' -)
-  echo "valgrind_host: $name: exit $rc (want $want), ${took}s, ${errs:-?} errors; ${lost:-no leaks}"
+  local lost=$(grep -E '(definitely|indirectly|possibly) lost:' "$log" | grep -Eo 'lost: [0-9,]+' |
+               tr -d , | awk '{s+=$2} END {print s+0}')
+  echo "valgrind_host: $name: exit $rc (want $want), ${took}s, ${errs:-?} errors, $lost bytes lost"
   if [ $rc -eq 99 ] || [ "${errs:-1}" != 0 ]; then
     status=1
     grep -E '^==[0-9]+== (Invalid|Conditional|Use of|Syscall|Mismatched|.*lost in|   (at|by) )' "$log" | head -60

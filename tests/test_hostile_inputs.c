@@ -167,6 +167,14 @@ static megamoe_error *info(megamoe_op *op, megamoe_op_info_args *out) {
   out->op = op;
   return g_api->get_info(out);
 }
+static megamoe_error *check(megamoe_op *op, int wait) {
+  megamoe_op_check_args c;
+  memset(&c, 0, sizeof c);
+  c.struct_size = MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE;
+  c.op = op;
+  c.wait = wait;
+  return g_api->check(&c);
+}
 static int layers_ready(megamoe_op *op) {
   megamoe_op_info_args in;
   megamoe_error *e = info(op, &in);
@@ -473,6 +481,7 @@ static void test_lifecycle_misuse(void) {
   io_t io;
   io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
   CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "plan");
+  CHECK_OK(check(op, 1)); /* nothing pending before plan */
   CHECK_OK(plan(op, TP));
   CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "no prepared weights");
   CHECK_OK(prepare(op, 0)); /* prepare after plan is allowed */
@@ -497,6 +506,7 @@ static void test_lifecycle_misuse(void) {
   CHECK_ERR(prepare(stale, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(plan(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(info(stale, &in), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(check(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
   static char not_an_op[256];
   CHECK_ERR(execute((megamoe_op *)not_an_op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(destroy((megamoe_op *)not_an_op), MEGAMOE_CODE_INVALID_ARGUMENT);
@@ -507,6 +517,12 @@ static void test_lifecycle_misuse(void) {
   CHECK_ERR(g_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(g_api->destroy(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(g_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(g_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  /* the cpu backend is synchronous: errors came back from execute itself,
+   * and check has nothing left to report */
+  CHECK_ERR(execute(op, 0, &(io_t){0}), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(check(op, 0));
+  CHECK_OK(check(op, 1));
   megamoe_op_execute_args ea;
   memset(&ea, 0, sizeof ea);
   ea.struct_size = 8;
@@ -522,6 +538,7 @@ static void test_lifecycle_misuse(void) {
   CHECK_ERR(plan(op, 1), MEGAMOE_CODE_FAILED_PRECONDITION);
   CHECK_ERR(destroy(op), MEGAMOE_CODE_FAILED_PRECONDITION);
   CHECK_ERR(info(op, &in), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(check(op, 0), MEGAMOE_CODE_FAILED_PRECONDITION);
   CHECK(create_op(&err) == NULL);
   CHECK_ERR(err, MEGAMOE_CODE_FAILED_PRECONDITION);
   megamoe_op_attributes_args at;

@@ -15,7 +15,7 @@
  *      NaN scale bytes, device, strides, misalignment, NULLs);
  *   L  plan with a fuzzed token count;
  *   C  lifecycle of a second op (create variants, prepare, plan, execute,
- *      info, destroy, double destroy, stale and foreign handles);
+ *      info, check, destroy, double destroy, stale and foreign handles);
  *   N  NULL args and short / long struct sizes.
  * Oracles (any violation aborts, so libFuzzer records the input):
  *   - errors: code in [1, 16], non-empty message; descriptor errors are
@@ -403,6 +403,11 @@ static megamoe_error *do_info(megamoe_op *op, megamoe_op_info_args *info) {
   info->struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
   info->op = op;
   return g_api->get_info(info);
+}
+
+static megamoe_error *do_check(megamoe_op *op, int wait) {
+  megamoe_op_check_args c = {MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, NULL, op, NULL, wait};
+  return g_api->check(&c);
 }
 
 static megamoe_error *do_destroy(megamoe_op *op) {
@@ -878,6 +883,7 @@ static void action_lifecycle(fz *f) {
                     info.num_layers_ready, g_op2_planned, g_op2_ready);
         } else if (stale_usable) {
           expect(do_info(g_stale, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info stale");
+          expect(do_check(g_stale, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "check stale");
         }
         break;
       }
@@ -888,6 +894,7 @@ static void action_lifecycle(fz *f) {
         megamoe_op_info_args info;
         expect(do_info(bogus, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info foreign");
         expect(do_plan(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "plan foreign");
+        expect(do_check(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "check foreign");
         expect(do_destroy(bogus), MEGAMOE_CODE_INVALID_ARGUMENT, "destroy foreign");
         break;
       }
@@ -912,7 +919,11 @@ static void action_nulls(fz *f) {
     case 0: expect(g_api->execute(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "execute(NULL)"); break;
     case 1: expect(g_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "prepare(NULL)"); break;
     case 2: expect(g_api->plan(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "plan(NULL)"); break;
-    case 3: expect(g_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "info(NULL)"); break;
+    case 3:
+      expect(g_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "info(NULL)");
+      expect(g_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "check(NULL)");
+      expect(do_check(g_op, small & 1), MEGAMOE_CODE_OK, "check main op"); /* cpu: synchronous */
+      break;
     case 4: { /* short struct */
       megamoe_op_execute_args a;
       memset(&a, 0, sizeof a);
