@@ -17,6 +17,9 @@
 #                               coverage into tests/fuzz/corpus/<target>/ (use
 #                               sparingly: the committed corpora stay small)
 #   --build-only                build, do not run
+#   --coverage                  instead of fuzzing: build with source-based
+#                               coverage, run the committed and the working
+#                               corpus once, print llvm-cov's per-file report
 # Environment: FUZZ_SEED=N (libFuzzer -seed, default random), FUZZ_CC=clang-N.
 # Exit status: 0 all targets ran clean, 1 a target crashed/leaked/timed out
 # (the reproducer is build-fuzz/<target>/crash-* and its log), 77 when clang
@@ -30,6 +33,7 @@ jobs=1
 build=$src/build-fuzz
 build_only=0
 merge=0
+coverage=0
 targets=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -39,6 +43,7 @@ while [ $# -gt 0 ]; do
     --build-dir) build=$2; shift ;;
     --build-only) build_only=1 ;;
     --merge) merge=1 ;;
+    --coverage) coverage=1 ;;
     -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1") ;;
@@ -117,6 +122,26 @@ build_target() { # name
   "$CC" "${cflags[@]}" "$src/tests/fuzz/fuzz_$t.c" "${srcs[@]}" "${objs[@]}" "${libs[@]}" -o "$out" \
     >>"$build/fuzz_$t.build.log" 2>&1 || { cat "$build/fuzz_$t.build.log"; return 1; }
 }
+if [ $coverage = 1 ]; then
+  pd=$(command -v llvm-profdata || command -v llvm-profdata-14) || { echo "fuzz.sh: no llvm-profdata"; exit 77; }
+  lc=$(command -v llvm-cov || command -v llvm-cov-14) || { echo "fuzz.sh: no llvm-cov"; exit 77; }
+  for t in "${targets[@]}"; do
+    [ -n "${sources[$t]:-}" ] || { echo "fuzz.sh: unknown target $t"; exit 2; }
+    srcs=()
+    for s in ${sources[$t]}; do srcs+=("$src/plugin/$s"); done
+    "$CC" -std=c11 -g -O1 -D_GNU_SOURCE -include "$cfg_h" -I"$src/abi" -I"$src/plugin" -pthread \
+      -fsanitize=fuzzer -fprofile-instr-generate -fcoverage-mapping $(pkg-config --cflags yaml-0.1 libuv) \
+      "$src/tests/fuzz/fuzz_$t.c" "${srcs[@]}" "${libs[@]}" -o "$build/cov_$t" || exit 1
+    mkdir -p "$build/$t/corpus"
+    (cd "$build" && LLVM_PROFILE_FILE="$build/cov_$t.profraw" "$build/cov_$t" -runs=0 \
+       "$src/tests/fuzz/corpus/$t" "$build/$t/corpus" >"$build/cov_$t.log" 2>&1)
+    "$pd" merge -sparse "$build/cov_$t.profraw" -o "$build/cov_$t.profdata"
+    echo "fuzz.sh: $t: coverage of the corpus ($(ls "$src/tests/fuzz/corpus/$t" "$build/$t/corpus" | wc -l) files)"
+    "$lc" report "$build/cov_$t" -instr-profile="$build/cov_$t.profdata" "${srcs[@]}" 2>/dev/null |
+      awk 'NR <= 2 || /TOTAL/ || $1 ~ /\.c$/' | sed "s|$src/||" | cut -c1-140
+  done
+  exit 0
+fi
 for t in "${targets[@]}"; do
   [ -n "${sources[$t]:-}" ] || { echo "fuzz.sh: unknown target $t (config, safetensors, abi_tensors)"; exit 2; }
   build_target "$t" || exit 1
