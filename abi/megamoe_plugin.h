@@ -334,7 +334,8 @@ typedef struct megamoe_op_plan_args {
  * expert id repeated within a token's top-k is allowed: every slot is its own
  * (token, expert) pair, the pairs are summed. NaN/Inf in a token's hidden row
  * or in a weight of one of its unmasked slots makes that token's output row
- * NaN; other tokens are unaffected (docs/RELIABILITY.md).
+ * NaN (a token whose slots are all masked gives +0); other tokens are
+ * unaffected (docs/RELIABILITY.md).
  */
 typedef struct megamoe_op_execute_args {
   size_t struct_size;

@@ -1,7 +1,9 @@
 /* fuzz_safetensors.c -- libFuzzer target for the safetensors reader
  * (plugin/safetensors.c, json.c) and, behind it, the expert weight loader
  * (plugin/weights_load.c). The input is a whole .safetensors file; it is put
- * in a memfd and opened by path, like a checkpoint shard.
+ * in a memfd and opened by path, like a checkpoint shard. An input starting
+ * with '{' is instead a model.safetensors.index.json opened beside two fixed
+ * shards (sharded checkpoints, plugin/safetensors_ckpt.c).
  * Properties checked beyond "no crash, no leak, no UB":
  *   - an error has a code in [1, 16] and a non-empty message;
  *   - every accepted tensor lies inside the data section, its byte count
@@ -16,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -89,8 +92,74 @@ static void load_layer(const mm_st_file *f, void **bufs, int requant) {
   free(views);
 }
 
+/* ---- index mode: an input starting with '{' is a model.safetensors.index.json
+ * beside two small fixed shards (a.safetensors: x, y; b.safetensors: z). */
+static char g_dir[256];
+
+static void write_file(const char *name, const void *p, size_t n) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", g_dir, name);
+  FILE *f = fopen(path, "wb");
+  if (!f) abort();
+  fwrite(p, 1, n, f);
+  fclose(f);
+}
+
+static void write_shard(const char *name, const char *hdr, size_t data) {
+  uint8_t buf[512];
+  size_t hl = strlen(hdr);
+  for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+  memcpy(buf + 8, hdr, hl);
+  memset(buf + 8 + hl, 0x3C, data);
+  write_file(name, buf, 8 + hl + data);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+  const char *tmp = getenv("TMPDIR");
+  snprintf(g_dir, sizeof g_dir, "%s/megamoe-fuzz-st-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  if (!mkdtemp(g_dir)) abort();
+  write_shard("a.safetensors",
+              "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+              "\"y\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[8,11]}}",
+              11);
+  write_shard("b.safetensors",
+              "{\"z\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[0,4]}}", 4);
+  return 0;
+}
+
+static void index_mode(const uint8_t *data, size_t size) {
+  write_file("model.safetensors.index.json", data, size);
+  char path[512];
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", g_dir);
+  mm_st_ckpt *c = NULL;
+  megamoe_error *e = mm_st_ckpt_open(path, &c);
+  check_error(e, "index open");
+  if (e) {
+    if (c) FZ_FAIL("error but a checkpoint handle");
+    megamoe_error_destroy(e);
+    return;
+  }
+  for (size_t i = 0; i < mm_st_ckpt_count(c); i++) {
+    const mm_st_file *f = NULL;
+    const mm_st_tensor *t = mm_st_ckpt_tensor_at(c, i, &f);
+    const mm_st_file *g = NULL;
+    if (!t || !f || mm_st_ckpt_find(c, t->name, &g) != t || g != f) FZ_FAIL("index lookup %zu", i);
+    uint8_t buf[16];
+    if (t->nbytes > sizeof buf) FZ_FAIL("fixed shard tensor too big");
+    e = mm_st_ckpt_read(c, t->name, buf, sizeof buf);
+    check_error(e, "index read");
+    if (e) FZ_FAIL("%s: read failed: %s", t->name, e->message);
+  }
+  mm_st_ckpt_close(c);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size > (4u << 20)) return 0;
+  if (size > 0 && data[0] == '{') {
+    if (!g_dir[0]) LLVMFuzzerInitialize(NULL, NULL);
+    index_mode(data, size);
+    return 0;
+  }
   int fd = memfd_create("fuzz.safetensors", MFD_CLOEXEC);
   if (fd < 0) return 0;
   size_t off = 0;

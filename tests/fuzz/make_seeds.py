@@ -86,6 +86,13 @@ put("safetensors", "seed-deep.safetensors", st_file([], raw_header=b'{"__metadat
 put("safetensors", "seed-sizes.safetensors",
     st_file([], raw_header=b'{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]},"b":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}}') + b"\0" * 4)
 
+# index files (an input starting with '{' is a model.safetensors.index.json
+# beside the target's two fixed shards: a.safetensors {x, y}, b.safetensors {z})
+put("safetensors", "seed-index.json", json.dumps({"metadata": {"total_size": 15},
+    "weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}))
+put("safetensors", "seed-index-wrong-shard.json", json.dumps({"weight_map": {"x": "b.safetensors", "z": "b.safetensors"}}))
+put("safetensors", "seed-index-escape.json", json.dumps({"weight_map": {"x": "../a.safetensors"}}))
+
 # ---- abi_tensors: byte programs (any bytes work; these start near each action) ----
 for i, prog in enumerate([b"\x00" * 16, b"\x00\x00\x03\xa0\x04\x00", b"\x03\x01\x00\x00",
                           b"\x03\x02\x01\x04\x05\x06\x01\x00\x00\x00", b"\x05\x03\x00",
