@@ -28,10 +28,13 @@
 
 static char g_json_path[256];
 
+static void remove_json(void) { unlink(g_json_path); }
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   const char *tmp = getenv("TMPDIR");
   snprintf(g_json_path, sizeof g_json_path, "%s/megamoe-fuzz-config-%d.json",
            tmp && *tmp ? tmp : "/tmp", (int)getpid());
+  atexit(remove_json);
   return 0;
 }
 

@@ -114,10 +114,21 @@ static void write_shard(const char *name, const char *hdr, size_t data) {
   write_file(name, buf, 8 + hl + data);
 }
 
+static void remove_dir(void) {
+  static const char *names[3] = {"a.safetensors", "b.safetensors", "model.safetensors.index.json"};
+  char path[512];
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/%s", g_dir, names[i]);
+    unlink(path);
+  }
+  rmdir(g_dir);
+}
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   const char *tmp = getenv("TMPDIR");
   snprintf(g_dir, sizeof g_dir, "%s/megamoe-fuzz-st-XXXXXX", tmp && *tmp ? tmp : "/tmp");
   if (!mkdtemp(g_dir)) abort();
+  atexit(remove_dir);
   write_shard("a.safetensors",
               "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
               "\"y\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[8,11]}}",
