@@ -329,6 +329,13 @@ typedef struct megamoe_op_plan_args {
  *   topk_weights float32 [T, top-k]
  *   out          bf16 [T, hidden], written by the call
  * All on the op's device (or the host for the CPU backend). T may be 0.
+ * Each tensor's data + byte_offset must be aligned to its element size, and
+ * out must not share bytes with an input (INVALID_ARGUMENT otherwise). An
+ * expert id repeated within a token's top-k is allowed: every slot is its own
+ * (token, expert) pair, the pairs are summed. NaN/Inf in a token's hidden row
+ * or in a weight of one of its unmasked slots makes that token's output row
+ * NaN (a token whose slots are all masked gives +0); other tokens are
+ * unaffected (docs/RELIABILITY.md).
  */
 typedef struct megamoe_op_execute_args {
   size_t struct_size;

@@ -32,15 +32,35 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* The DLPack type of a safetensors dtype, faithfully: a dtype the plugin
+ * does not take must reach it as what it is (and be refused by name), never
+ * relabelled as bytes; F4 is 4 bits per element (the shape counts elements). */
 static DLDataType dl_type(mm_st_dtype dt) {
   DLDataType t = {kDLUInt, 8, 1};
   switch (dt) {
-    case MM_ST_F32: t.code = kDLFloat; t.bits = 32; break;
+    case MM_ST_U8: break;
+    case MM_ST_BOOL: t.code = 6; break;           /* kDLBool (DLPack >= 0.8) */
+    case MM_ST_I8: t.code = kDLInt; break;
+    case MM_ST_U16: t.bits = 16; break;
+    case MM_ST_I16: t.code = kDLInt; t.bits = 16; break;
+    case MM_ST_U32: t.bits = 32; break;
     case MM_ST_I32: t.code = kDLInt; t.bits = 32; break;
+    case MM_ST_U64: t.bits = 64; break;
+    case MM_ST_I64: t.code = kDLInt; t.bits = 64; break;
+    case MM_ST_F16: t.code = kDLFloat; t.bits = 16; break;
     case MM_ST_BF16: t.code = kDLBfloat; t.bits = 16; break;
+    case MM_ST_F32: t.code = kDLFloat; t.bits = 32; break;
+    case MM_ST_F64: t.code = kDLFloat; t.bits = 64; break;
+    case MM_ST_C64: t.code = kDLComplex; t.bits = 64; break;
     case MM_ST_F8_E4M3: t.code = MEGAMOE_DL_FLOAT8_E4M3FN; break;
     case MM_ST_F8_E8M0: t.code = MEGAMOE_DL_FLOAT8_E8M0FNU; break;
-    default: break;
+    case MM_ST_F4: t.code = MEGAMOE_DL_FLOAT4_E2M1FN; t.bits = 4; break;
+    case MM_ST_F8_E5M2: t.code = 12; break;      /* DLPack 1.1 kDLFloat8_e5m2 */
+    case MM_ST_F8_E4M3FNUZ: t.code = 11; break;  /* kDLFloat8_e4m3fnuz */
+    case MM_ST_F8_E5M2FNUZ: t.code = 13; break;  /* kDLFloat8_e5m2fnuz */
+    case MM_ST_F6_E2M3: t.code = 15; t.bits = 6; break;
+    case MM_ST_F6_E3M2: t.code = 16; t.bits = 6; break;
+    default: t.code = kDLOpaqueHandle; break;
   }
   return t;
 }

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <uv.h>
 
 #define MAX_PLUGINS 64
@@ -70,6 +71,11 @@ int mm_plugin_loader_load(mm_plugin_loader *l, const char *path) {
     if (strcmp(l->plugins[i].path, path) == 0) return 0; /* already loaded */
   loaded_plugin *p = &l->plugins[l->num_plugins];
   memset(p, 0, sizeof *p);
+  struct stat st; /* dlopen of a FIFO would block forever */
+  if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) {
+    fprintf(stderr, "megamoe-host: skipping %s: not a regular file\n", path);
+    return -1;
+  }
   if (uv_dlopen(path, &p->lib)) {
     fprintf(stderr, "megamoe-host: skipping %s: %s\n", path, uv_dlerror(&p->lib));
     uv_dlclose(&p->lib);
@@ -96,9 +102,11 @@ int mm_plugin_loader_load(mm_plugin_loader *l, const char *path) {
   l->services.host_ctx = l;
   args.services = &l->services;
   l->loading_path = p->path;
+  size_t ops_before = l->num_ops;
   megamoe_error *err = init_v1(&args);
   l->loading_path = NULL;
   if (err) {
+    l->num_ops = ops_before; /* its tables die with the library */
     fprintf(stderr, "megamoe-host: skipping %s: init failed: %s\n", path,
             megamoe_error_message(err));
     megamoe_error_destroy(err);

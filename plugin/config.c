@@ -843,7 +843,9 @@ static mm_err *read_capped(const char *path, const char *what, unsigned char **o
   char eb[128];
   *out = NULL;
   *out_len = 0;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: opening a FIFO must not wait for a writer (it is then
+   * refused as not a regular file); regular files ignore the flag. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     int e = errno;
     return mm_error(e == ENOENT ? MEGAMOE_CODE_NOT_FOUND : MEGAMOE_CODE_INVALID_ARGUMENT,

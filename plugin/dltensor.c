@@ -1,6 +1,7 @@
 /* dltensor.c -- validation of DLPack tensors crossing the ABI. */
 #include "dltensor.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -84,7 +85,8 @@ mm_err *mm_dltensor_view(const char *what, const DLTensor *t, mm_tensor_view *v,
   if (v->dtype == MM_DT_F4_E2M1 && t->ndim > 0 && t->shape[t->ndim - 1] % 2)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "%s: float4 tensors need an even innermost dimension", what);
-  if (t->strides) {
+  if (t->strides && numel > 0) { /* an empty tensor has no layout; and numel > 0
+                                   * bounds the running product below */
     int64_t expect = 1;
     for (int i = t->ndim - 1; i >= 0; i--) {
       if (t->shape[i] != 1 && t->strides[i] != expect)
@@ -97,7 +99,19 @@ mm_err *mm_dltensor_view(const char *what, const DLTensor *t, mm_tensor_view *v,
   }
   if (!t->data && numel > 0)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: data is NULL", what);
-  v->data = t->data ? (const char *)t->data + t->byte_offset : NULL;
+  /* Address arithmetic in integers: a wild byte_offset must not be UB here. */
+  uintptr_t addr = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
+  if (t->data && addr < (uintptr_t)t->data)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: byte_offset %llu wraps the address space",
+                    what, (unsigned long long)t->byte_offset);
+  /* Typed loads (and GPU vector loads) need element-aligned data. */
+  size_t align = elem_bits(v->dtype) >= 8 ? elem_bits(v->dtype) / 8 : 1;
+  if (numel > 0 && addr % align)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s: data + byte_offset (%p + %llu) is not aligned to the %zu-byte %s element",
+                    what, t->data, (unsigned long long)t->byte_offset, align,
+                    mm_dtype_name(v->dtype));
+  v->data = t->data ? (const void *)addr : NULL;
   switch (t->device.device_type) {
     case kDLCPU:
     case kDLCUDAHost:

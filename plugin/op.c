@@ -390,6 +390,14 @@ static megamoe_error *op_plan(megamoe_op_plan_args *args) {
 }
 
 /* ---- execute --------------------------------------------------------------- */
+/* Byte ranges of two compact views intersect (integer arithmetic: unrelated
+ * buffers must not be compared as pointers). */
+static int views_overlap(const mm_tensor_view *a, const mm_tensor_view *b) {
+  uintptr_t x = (uintptr_t)a->data, y = (uintptr_t)b->data;
+  size_t an = mm_tensor_nbytes(a), bn = mm_tensor_nbytes(b);
+  return an && bn && x < y + bn && y < x + an;
+}
+
 static megamoe_error *op_execute(megamoe_op_execute_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, "execute");
   mm_op *op = (mm_op *)args->op;
@@ -422,9 +430,11 @@ static megamoe_error *op_execute(megamoe_op_execute_args *args) {
                     "execute: tensors must be on %s%d (hidden %d, topk_ids %d, topk_weights %d, "
                     "out %d; -1 = host)",
                     want_dev < 0 ? "the host " : "CUDA device ", want_dev, dh, di, dw, dout);
-  if (T > 0 && (const char *)ov.data < (const char *)hv.data + T * H * 2 &&
-      (const char *)hv.data < (const char *)ov.data + T * H * 2)
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "execute: out overlaps hidden");
+  /* out is written while the inputs are read: no byte may be shared. */
+  const mm_tensor_view *ins[3] = {&hv, &iv, &wv};
+  for (int i = 0; T > 0 && i < 3; i++)
+    if (views_overlap(&ov, ins[i]))
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "execute: out overlaps %s", ins[i]->name);
   mm_exec_io io = {(int)T, hv.data, iv.data, wv.data, (uint16_t *)ov.data, args->stream,
                    want_dev >= 0};
   mm_err *err = op->backend->execute(op, args->layer, &io);

@@ -360,7 +360,9 @@ mm_err *mm_st_open(const char *path, mm_st_file **out) {
   }
   mm_err *err = NULL;
   char *hdr = NULL;
-  f->fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO must not block the open (it is refused below as not
+   * a regular file); reads of regular files ignore the flag. */
+  f->fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (f->fd < 0) {
     err = mm_st_errno_error(errno, "open", path);
     goto fail;

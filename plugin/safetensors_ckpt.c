@@ -106,7 +106,7 @@ static mm_err *build_index(mm_st_ckpt *c) {
 
 static mm_err *read_small_file(const char *path, size_t cap, char **out, size_t *len) {
   *out = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO must not block */
   if (fd < 0) return mm_st_errno_error(errno, "open", path);
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size > cap) {
