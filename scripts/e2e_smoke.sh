@@ -85,9 +85,13 @@ for policy in none group16-to-group32; do
     summary+=("$policy/$mode: ${line#megamoe-host: }")
   done
 done
+# One line: verdict, worst error against the reference, per-layer timings.
+worst=$(printf '%s\n' "${summary[@]}" | sed -n 's/.*rel_err=\([^ ]*\).*/\1/p' | sort -g | tail -1)
+times=$(printf '%s\n' "${summary[@]}" | sed -n 's|^\([^:]*\):.* \(T[0-9].*ms/layer\).*|\1 \2|p' | paste -sd ';' -)
+where=$([ "$gpus" -gt 0 ] && echo "$gpus GPU(s), ep-size $gpus" || echo cpu-reference)
 if [ $fail -eq 0 ]; then
-  echo "e2e_smoke: PASS ($pass/$((pass + fail)) runs, $([ "$gpus" -gt 0 ] && echo "$gpus GPU(s)" || echo cpu-reference))"
+  echo "e2e_smoke: PASS ($pass/$((pass + fail)) runs, $where) worst rel_err=${worst:-n/a}; $times"
   exit 0
 fi
-echo "e2e_smoke: FAIL ($fail of $((pass + fail)) runs failed)"
+echo "e2e_smoke: FAIL ($fail of $((pass + fail)) runs failed, $where) worst rel_err=${worst:-n/a}; $times"
 exit 1
