@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "moe_sm90_impl.h"
+/* after the impl header: it includes the C headers inside extern "C" */
+#include "layout_sm90_pack.h"
 
 /* ---------------------------------------------------------------- layer ---- */
 
@@ -42,9 +44,17 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
   L->w2_bytes = mm_sm90_matrix_bytes(mode, H, I);
   L->expert_bytes = L->w13_bytes + L->w2_bytes;
   mm_err *err = NULL;
-  uint8_t *host = NULL;
   float *hrs = NULL;
-  double e2 = 0.0, r2 = 0.0;
+  /* Host packing on all cores into two staging buffers (pinned when
+   * possible), kChunk experts each: chunk i+1 is packed while chunk i
+   * uploads; an event per buffer says when its last upload has read it. */
+  const int kChunk = 2;
+  const int chunk = num_local < kChunk ? num_local : kChunk;
+  const size_t stage_bytes = (size_t)chunk * L->expert_bytes;
+  uint8_t *stage[2] = {NULL, NULL};
+  int pinned[2] = {0, 0};
+  cudaEvent_t uploaded[2] = {NULL, NULL};
+  double fold[2] = {0.0, 0.0};
   const size_t rs_count = (size_t)num_local * (size_t)(2 * I + H);
   size_t wbytes = L->expert_bytes * (size_t)num_local;
   cudaError_t ce = cudaMalloc((void **)&L->d_w, wbytes);
@@ -58,11 +68,25 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
   }
   L->d_rs2 = L->d_rs13 + (size_t)num_local * (size_t)(2 * I);
   L->device_bytes = wbytes + sizeof(float) * rs_count + MM_SM90_LUT_ENTRIES * 8;
-  host = (uint8_t *)malloc(L->expert_bytes);
   hrs = (float *)malloc(sizeof(float) * rs_count);
-  if (!host || !hrs) {
+  if (!hrs) {
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
     goto fail;
+  }
+  for (int i = 0; i < 2; i++) {
+    if (cudaMallocHost((void **)&stage[i], stage_bytes) == cudaSuccess) {
+      pinned[i] = 1;
+    } else {
+      (void)cudaGetLastError(); /* pageable instead: an async copy returns once staged */
+      stage[i] = (uint8_t *)malloc(stage_bytes);
+    }
+    ce = cudaEventCreateWithFlags(&uploaded[i], cudaEventDisableTiming);
+    if (!stage[i] || ce != cudaSuccess) {
+      err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED,
+                     "sm90 layer: staging buffer of %zu bytes: %s", stage_bytes,
+                     stage[i] ? cudaGetErrorString(ce) : "out of host memory");
+      goto fail;
+    }
   }
   {
     uint8_t lut[MM_SM90_LUT_ENTRIES][8];
@@ -75,35 +99,29 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
       goto fail;
     }
   }
-  for (int e = 0; e < num_local; e++) {
-    double fe[2] = {0, 0};
-    err = mm_sm90_pack_matrix(&experts[e].w13, mode, 1, host,
-                              hrs + (size_t)e * (size_t)(2 * I), fe);
-    if (err) {
-      err = mm_error_wrap(err, "local expert %d w13 (gate/up)", e);
-      goto fail;
-    }
-    e2 += fe[0];
-    r2 += fe[1];
-    err = mm_sm90_pack_matrix(&experts[e].w2, mode, 0, host + L->w13_bytes,
-                              hrs + (size_t)num_local * (size_t)(2 * I) + (size_t)e * (size_t)H,
-                              fe);
-    if (err) {
-      err = mm_error_wrap(err, "local expert %d w2 (down)", e);
-      goto fail;
-    }
-    e2 += fe[0];
-    r2 += fe[1];
-    /* one host staging buffer: copy, then wait before it is reused */
-    ce = cudaMemcpyAsync(L->d_w + (size_t)e * L->expert_bytes, host, L->expert_bytes,
-                         cudaMemcpyHostToDevice, st);
-    if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+  for (int e0 = 0, b = 0; e0 < num_local; e0 += chunk, b ^= 1) {
+    const int n = num_local - e0 < chunk ? num_local - e0 : chunk;
+    ce = cudaEventSynchronize(uploaded[b]); /* success at once if never recorded */
     if (ce != cudaSuccess) {
-      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of expert %d failed: %s", e,
-                     cudaGetErrorString(ce));
+      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload before expert %d failed: %s",
+                     e0, cudaGetErrorString(ce));
+      goto fail;
+    }
+    err = mm_sm90_pack_experts(experts + e0, n, e0, mode, 0, stage[b],
+                               hrs + (size_t)e0 * (size_t)(2 * I),
+                               hrs + (size_t)num_local * (size_t)(2 * I) + (size_t)e0 * (size_t)H,
+                               fold);
+    if (err) goto fail;
+    ce = cudaMemcpyAsync(L->d_w + (size_t)e0 * L->expert_bytes, stage[b],
+                         (size_t)n * L->expert_bytes, cudaMemcpyHostToDevice, st);
+    if (ce == cudaSuccess) ce = cudaEventRecord(uploaded[b], st);
+    if (ce != cudaSuccess) {
+      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of experts %d..%d failed: %s",
+                     e0, e0 + n - 1, cudaGetErrorString(ce));
       goto fail;
     }
   }
+  /* Same stream: this also waits for the weight uploads. */
   ce = cudaMemcpyAsync(L->d_rs13, hrs, sizeof(float) * rs_count, cudaMemcpyHostToDevice, st);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
   if (ce != cudaSuccess) {
@@ -111,16 +129,24 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
                    cudaGetErrorString(ce));
     goto fail;
   }
-  L->fold_rel = r2 > 0.0 ? sqrt(e2 / r2) : 0.0;
-  free(host);
+  L->fold_rel = fold[1] > 0.0 ? sqrt(fold[0] / fold[1]) : 0.0;
+fail:
+  /* Copies still in flight read the staging buffers: wait before freeing. */
+  for (int i = 0; i < 2; i++) {
+    if (uploaded[i]) {
+      cudaEventSynchronize(uploaded[i]);
+      cudaEventDestroy(uploaded[i]);
+    }
+    if (pinned[i]) cudaFreeHost(stage[i]);
+    else free(stage[i]);
+  }
   free(hrs);
+  if (err) {
+    mm_sm90_layer_destroy(L);
+    return err;
+  }
   *out = L;
   return NULL;
-fail:
-  free(host);
-  free(hrs);
-  mm_sm90_layer_destroy(L);
-  return err;
 }
 
 extern "C" void mm_sm90_layer_destroy(mm_sm90_layer *L) {

@@ -49,8 +49,6 @@ typedef struct mm_backend_ops {
   mm_err *(*check)(mm_op *op, void *stream, int wait);
 } mm_backend_ops;
 
-/* Frees an array of canonical experts and their matrices (NULL is fine). */
-void mm_experts_free(mm_expert_q *experts, int n);
 
 extern const mm_backend_ops mm_backend_cpu;
 #ifdef MM_HAVE_CUDA

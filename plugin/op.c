@@ -250,15 +250,6 @@ fail:
 }
 
 /* ---- prepare_weights ------------------------------------------------------ */
-void mm_experts_free(mm_expert_q *ex, int n) {
-  if (!ex) return;
-  for (int i = 0; i < n; i++) {
-    mm_qmat_free(&ex[i].w13);
-    mm_qmat_free(&ex[i].w2);
-  }
-  free(ex);
-}
-
 static void release_layer(mm_op *op, int layer) {
   if (layer < 0 || layer >= op->num_layer_slots) return;
   mm_layer_slot *s = &op->layers[layer];

@@ -1,6 +1,7 @@
 /* parallel.c -- static-chunk parallel loop over libuv threads. */
 #include "parallel.h"
 
+#include <stdatomic.h>
 #include <uv.h>
 
 #define MM_MAX_THREADS 64
@@ -48,4 +49,25 @@ void mm_parallel_for(size_t n, int threads, mm_range_fn fn, void *ctx) {
     if (started[t]) uv_thread_join(&tids[t]);
     else run_chunk(&chunks[t]);
   }
+}
+
+typedef struct {
+  mm_item_fn fn;
+  void *ctx;
+  size_t n;
+  atomic_size_t next;
+} mm_item_queue;
+
+static void take_items(void *arg, size_t begin, size_t end) {
+  (void)begin, (void)end;
+  mm_item_queue *q = arg;
+  for (size_t i; (i = atomic_fetch_add(&q->next, 1)) < q->n;) q->fn(q->ctx, i);
+}
+
+void mm_parallel_items(size_t n, int threads, mm_item_fn fn, void *ctx) {
+  if (n == 0) return;
+  if ((size_t)threads > n) threads = (int)n;
+  mm_item_queue q = {fn, ctx, n, 0};
+  /* one range per thread; each drains the shared queue */
+  mm_parallel_for(threads > 1 ? (size_t)threads : 1, threads, take_items, &q);
 }

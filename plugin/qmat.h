@@ -67,4 +67,14 @@ typedef struct mm_expert_q {
   mm_qmat w2;
 } mm_expert_q;
 
+/* Frees an array of experts and their matrices (NULL is fine). */
+static inline void mm_experts_free(mm_expert_q *experts, int n) {
+  if (!experts) return;
+  for (int i = 0; i < n; i++) {
+    mm_qmat_free(&experts[i].w13);
+    mm_qmat_free(&experts[i].w2);
+  }
+  free(experts);
+}
+
 #endif

@@ -9,8 +9,6 @@
 #include "formats.h"
 #include "parallel.h"
 
-static const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 void mm_requant_stats_merge(mm_requant_stats *acc, const mm_requant_stats *s) {
   acc->src_sq += s->src_sq;
@@ -61,7 +59,111 @@ typedef struct {
   row_result *rows;
   int want_stats;
   float scale_lut[256]; /* group-16 scale byte -> value */
+  uint8_t mags[256];    /* bit m: a code of the byte has magnitude m */
 } requant_ctx;
+
+/* One group of 32, worked out per magnitude instead of per element: within
+ * a half-group (one group-16 scale) an element's value, requantized code and
+ * error terms depend only on its source code, and on the magnitude up to the
+ * sign (rounding to nearest is symmetric). Same values, decisions and
+ * per-element error terms as mm_requant_group32 on the 32 values. */
+typedef struct {
+  uint8_t code[2][16];      /* per half: source code -> requantized code */
+  double xx[2][8], dd[2][8]; /* per half and magnitude: v^2, (v - dequant)^2 */
+  double max_d;             /* max |v - dequant| over the magnitudes present */
+} group_plan;
+
+static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+/* Plans the group at `in` (16 code bytes) with scale bytes sc[0..1] and row
+ * factor rs. Returns the UE8M0 byte, or -1 if a value is not finite. */
+static int plan_group(const requant_ctx *c, const uint8_t *in, const uint8_t *sc, float rs,
+                      int want_stats, group_plan *p) {
+  uint8_t present[2] = {0, 0}; /* bit m: magnitude m occurs in the half */
+  for (int j = 0; j < 8; j++) present[0] |= c->mags[in[j]];
+  for (int j = 8; j < 16; j++) present[1] |= c->mags[in[j]];
+  float va[2][8]; /* |v| per half and magnitude */
+  uint32_t top[2];
+  for (int h = 0; h < 2; h++) {
+    const float s16 = c->scale_lut[sc[h]];
+    for (int m = 0; m < 8; m++) va[h][m] = fabsf(kMag[m] * s16 * rs);
+    /* |v| grows with the magnitude: the largest one present holds the
+     * half's maximum, and is non-finite if any value of the half is. */
+    memcpy(&top[h], &va[h][31 - __builtin_clz(present[h])], 4);
+  }
+  if ((top[0] & 0x7F800000u) == 0x7F800000u || (top[1] & 0x7F800000u) == 0x7F800000u) return -1;
+  const uint32_t amax_bits = top[0] > top[1] ? top[0] : top[1]; /* >= 0: bits order as values */
+  const uint8_t b = amax_bits ? mm_requant_exp_byte(amax_bits) : 127;
+  const float inv = inv_scale(b);
+  const uint64_t step_bits = (uint64_t)(b - 127 + 1023) << 52; /* 2^(b-127), exact */
+  double step;
+  memcpy(&step, &step_bits, 8);
+  p->max_d = 0.0;
+  for (int h = 0; h < 2; h++) {
+    /* Requantized magnitude: mm_requant_e2m1_rne of |v| / 2^E, its
+     * comparisons on the bits (non-negative floats order as integers). */
+    int32_t u[8];
+    for (int m = 0; m < 8; m++) {
+      const float x = va[h][m] * inv;
+      memcpy(&u[m], &x, 4);
+    }
+    int32_t qi[8]; /* 32-bit lanes throughout: the compiler keeps this loop in vectors */
+    for (int m = 0; m < 8; m++)
+      qi[m] = (u[m] > 0x3E800000) + (u[m] >= 0x3F400000) + (u[m] > 0x3FA00000) +
+              (u[m] >= 0x3FE00000) + (u[m] > 0x40200000) + (u[m] >= 0x40600000) +
+              (u[m] > 0x40A00000);
+    uint8_t q[8];
+    for (int m = 0; m < 8; m++) q[m] = (uint8_t)qi[m];
+    if (!amax_bits) memset(q, 0, sizeof q); /* an all-zero group: codes 0, byte 127 */
+    /* Codes 0..7 and 8..15 (negative): the new magnitude, and the sign of
+     * the value (code sign ^ scale sign ^ row sign) unless it is zero. */
+    uint64_t mags, nz;
+    memcpy(&mags, q, 8);
+    nz = ((mags | mags >> 1 | mags >> 2) & 0x0101010101010101ull) << 3; /* 8 per nonzero byte */
+    const int flip = (signbit(c->scale_lut[sc[h]]) != 0) != (signbit(rs) != 0);
+    const uint64_t pos = mags | (flip ? nz : 0), neg = mags | (flip ? 0 : nz);
+    memcpy(p->code[h], &pos, 8);
+    memcpy(p->code[h] + 8, &neg, 8);
+    if (!want_stats) continue;
+    for (int m = 0; m < 8; m++) {
+      const double x = (double)va[h][m], d = x - (double)kMag[q[m]] * step;
+      p->xx[h][m] = x * x;
+      p->dd[h][m] = d * d;
+      const double ad = (present[h] >> m & 1) ? fabs(d) : 0.0; /* branch-free: unpredictable */
+      p->max_d = ad > p->max_d ? ad : p->max_d;
+    }
+  }
+  return b;
+}
+
+/* Adds the error terms of code byte v (elements 2j, 2j+1 of half h) in
+ * element order. */
+static inline void add_byte(const group_plan *p, int h, uint8_t v, double *gs, double *ge) {
+  *gs += p->xx[h][v & 7];
+  *ge += p->dd[h][v & 7];
+  *gs += p->xx[h][v >> 4 & 7];
+  *ge += p->dd[h][v >> 4 & 7];
+}
+
+/* The error sums of one group (16 code bytes at in). */
+static void group_sums(const group_plan *p, const uint8_t *in, double *gs, double *ge) {
+  for (int j = 0; j < 16; j++) add_byte(p, j >> 3, in[j], gs, ge);
+}
+
+/* The same for 4 consecutive groups side by side: each group's sums start
+ * at 0, so the 8 chains are independent (one group alone would wait on the
+ * adder's latency at every element). Same order within each group. */
+static void block_sums4(const group_plan *p, const uint8_t *in, double gs[4], double ge[4]) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, e0 = 0.0, e1 = 0.0, e2 = 0.0, e3 = 0.0;
+  for (int j = 0; j < 16; j++) {
+    add_byte(&p[0], j >> 3, in[j], &s0, &e0);
+    add_byte(&p[1], j >> 3, in[16 + j], &s1, &e1);
+    add_byte(&p[2], j >> 3, in[32 + j], &s2, &e2);
+    add_byte(&p[3], j >> 3, in[48 + j], &s3, &e3);
+  }
+  gs[0] = s0, gs[1] = s1, gs[2] = s2, gs[3] = s3;
+  ge[0] = e0, ge[1] = e1, ge[2] = e2, ge[3] = e3;
+}
 
 static void requant_rows(void *arg, size_t begin, size_t end) {
   requant_ctx *c = arg;
@@ -74,41 +176,36 @@ static void requant_rows(void *arg, size_t begin, size_t end) {
     uint8_t *so = c->scales_out + r * g32;
     float rs = s->row_scale ? s->row_scale[r] : 1.0f;
     row_result res = {0.0, 0.0, 0.0, -1};
-    for (size_t g = 0; g < g32; g++) {
-      float v[32];
-      uint32_t nonfinite = 0;
-      for (int h = 0; h < 2; h++) {
-        float s16 = c->scale_lut[sc[2 * g + (size_t)h]];
-        const uint8_t *p = in + 16 * g + 8 * (size_t)h;
-        for (int j = 0; j < 8; j++) {
-          float a = kE2M1[p[j] & 0xF] * s16, b = kE2M1[p[j] >> 4] * s16;
-          v[16 * h + 2 * j] = a * rs;
-          v[16 * h + 2 * j + 1] = b * rs;
+    /* Blocks of 4 groups: the error sums of a group start at 0, so the four
+     * groups' sums run side by side (each in element order), then add to the
+     * row's in group order. */
+    for (size_t g0 = 0; g0 < g32 && res.bad_group < 0; g0 += 4) {
+      const int nb = g32 - g0 < 4 ? (int)(g32 - g0) : 4;
+      group_plan p[4];
+      for (int k = 0; k < nb; k++) {
+        const size_t g = g0 + (size_t)k;
+        int b = plan_group(c, in + 16 * g, sc + 2 * g, rs, c->want_stats, &p[k]);
+        if (b < 0) {
+          res.bad_group = (int)g;
+          break;
+        }
+        so[g] = (uint8_t)b;
+        for (int h = 0; h < 2; h++) {
+          const uint8_t *t = p[k].code[h], *v = in + 16 * g + 8 * (size_t)h;
+          uint8_t *o = out + 16 * g + 8 * (size_t)h;
+          for (int j = 0; j < 8; j++) o[j] = (uint8_t)(t[v[j] & 15] | (t[v[j] >> 4] << 4));
         }
       }
-      for (int i = 0; i < 32; i++) {
-        uint32_t u;
-        memcpy(&u, &v[i], 4);
-        nonfinite |= (u & 0x7F800000u) == 0x7F800000u;
-      }
-      if (nonfinite) {
-        res.bad_group = (int)g;
-        break;
-      }
-      uint8_t b = mm_requant_group32(v, out + 16 * g);
-      so[g] = b;
-      if (c->want_stats) {
-        double step = ldexp(1.0, (int)b - 127), gs = 0.0, ge = 0.0, gm = 0.0;
-        for (int i = 0; i < 32; i++) {
-          uint8_t code = (uint8_t)((out[16 * g + (size_t)i / 2] >> ((i & 1) * 4)) & 0xF);
-          double x = (double)v[i], d = x - (double)kE2M1[code] * step;
-          gs += x * x;
-          ge += d * d;
-          gm = fabs(d) > gm ? fabs(d) : gm;
-        }
-        res.src_sq += gs;
-        res.err_sq += ge;
-        if (gm > res.max_abs) res.max_abs = gm;
+      if (res.bad_group >= 0 || !c->want_stats) continue;
+      double gs[4] = {0.0, 0.0, 0.0, 0.0}, ge[4] = {0.0, 0.0, 0.0, 0.0};
+      if (nb == 4)
+        block_sums4(p, in + 16 * g0, gs, ge);
+      else
+        for (int k = 0; k < nb; k++) group_sums(&p[k], in + 16 * (g0 + (size_t)k), &gs[k], &ge[k]);
+      for (int k = 0; k < nb; k++) {
+        res.src_sq += gs[k];
+        res.err_sq += ge[k];
+        if (p[k].max_d > res.max_abs) res.max_abs = p[k].max_d;
       }
     }
     c->rows[r] = res;
@@ -132,10 +229,12 @@ mm_err *mm_requant_g16_to_g32(const mm_g16_source *src, uint8_t *codes_out,
 
   row_result *rows = malloc(sizeof(row_result) * (size_t)src->rows);
   if (!rows) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "requant: out of memory");
-  requant_ctx ctx = {src, codes_out, scales_out, rows, stats != NULL, {0}};
-  for (int b = 0; b < 256; b++)
+  requant_ctx ctx = {src, codes_out, scales_out, rows, stats != NULL, {0}, {0}};
+  for (int b = 0; b < 256; b++) {
     ctx.scale_lut[b] = src->sf == MM_SF_E4M3 ? mm_e4m3_to_float((uint8_t)b)
                                              : mm_ue8m0_to_float((uint8_t)b);
+    ctx.mags[b] = (uint8_t)((1 << (b & 7)) | (1 << ((b >> 4) & 7)));
+  }
   /* Aim for chunks of at least ~64K elements per thread. */
   int nt = mm_thread_count(threads);
   size_t per = (size_t)src->rows * (size_t)src->cols / 65536 + 1;

@@ -1,7 +1,11 @@
 /* weights_load.c -- raw expert tensors of one layer -> canonical matrices.
- * Order of work: index the names, then per local expert decode and check
- * each projection (source format), then build w13/w2 (copy or requant).
- * Every failure frees what was built so far. */
+ * Order of work: index the names; the first local expert's gate_proj fixes
+ * the layer's format (checked against the policy); then every local expert
+ * at once (cpu.threads), each checking its projections and writing w13/w2
+ * directly (codes copied once, scale bytes checked while copied, or the
+ * requant reading the source tensors). Errors are those a sequential load
+ * would meet first: each expert checks in the sequential order and the
+ * lowest failing expert wins. Every failure frees what was built. */
 #include "weights_load.h"
 
 #include <limits.h>
@@ -11,6 +15,7 @@
 
 #include "formats.h"
 #include "layout_sm100.h"
+#include "parallel.h"
 
 static const char *const kProjNames[3] = {"gate_proj", "up_proj", "down_proj"};
 static const char *const kFieldNames[4] = {"weight", "weight_scale", "weight_scale_2",
@@ -94,11 +99,17 @@ static int is_2d(const mm_tensor_view *t, int64_t a, int64_t b) {
   return t->ndim == 2 && t->shape[0] == a && t->shape[1] == b;
 }
 
-mm_err *mm_weights_decode_proj(const char *name, const mm_proj_views *v, int rows, int cols,
-                               int gran_k, int require_global, mm_qmat *out,
-                               float *input_scale) {
-  memset(out, 0, sizeof(*out));
-  if (input_scale) *input_scale = NAN;
+/* What the weight and scale tensors of a projection say, before any data is
+ * read: shape, group size and scale format. */
+typedef struct {
+  int64_t N, K;
+  int gran;
+  mm_scale_format sf;
+  size_t ng; /* scale bytes per row: K / gran */
+} proj_header;
+
+static mm_err *decode_header(const char *name, const mm_proj_views *v, int rows, int cols,
+                             int gran_k, proj_header *h) {
   const mm_tensor_view *w = v->weight, *s = v->scale;
   if (!w) return mm_error(MEGAMOE_CODE_NOT_FOUND, "%s.weight: missing", name);
   if (!s) return mm_error(MEGAMOE_CODE_NOT_FOUND, "%s.weight_scale: missing", name);
@@ -184,77 +195,120 @@ mm_err *mm_weights_decode_proj(const char *name, const mm_proj_views *v, int row
                     (long long)(s->dtype == MM_DT_I32 ? (g16 + 3) / 4 : g16),
                     s->dtype == MM_DT_I32 ? " words" : "", (long long)K);
   }
+  h->N = N;
+  h->K = K;
+  h->gran = gran;
+  h->sf = sf;
+  h->ng = (size_t)(K / gran);
+  return NULL;
+}
 
-  if (mm_qmat_alloc(out, (int)N, (int)K, gran, sf) != 0) {
-    mm_qmat_free(out);
-    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory for [%lld, %lld]", name,
-                    (long long)N, (long long)K);
+/* Scale bytes one per byte in the tensor (U8, F8): readable where they are. */
+static int scales_in_place(const mm_tensor_view *s) {
+  return s->dtype == MM_DT_U8 || s->dtype == MM_DT_F8_E8M0 || s->dtype == MM_DT_F8_E4M3;
+}
+
+/* Checks scale bytes for NaN (naming the first) while copying them to dst
+ * (NULL: check only); *smax gets the largest |scale|. Magnitudes are in byte
+ * order in both formats, so the largest byte gives the largest value. */
+static mm_err *check_scales(const char *name, const uint8_t *b, uint8_t *dst, size_t n,
+                            size_t ng, mm_scale_format sf, float *smax) {
+  const uint8_t nan = sf == MM_SF_E4M3 ? 0x7F : 0xFF; /* NaN: all magnitude bits set */
+  uint8_t top = 0;
+  for (size_t i0 = 0; i0 < n; i0 += 4096) {
+    const size_t n1 = n - i0 < 4096 ? n - i0 : 4096;
+    const uint8_t *p = b + i0;
+    if (dst) memcpy(dst + i0, p, n1);
+    uint8_t hi = 0, any_nan = 0;
+    for (size_t i = 0; i < n1; i++) {
+      const uint8_t m = p[i] & nan;
+      hi = m > hi ? m : hi;
+      any_nan |= m == nan;
+    }
+    if (any_nan)
+      for (size_t i = 0; i < n1; i++)
+        if ((p[i] & nan) == nan)
+          return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                          "%s.weight_scale: NaN scale byte 0x%02x at [%zu, %zu]", name, p[i],
+                          (i0 + i) / ng, (i0 + i) % ng);
+    top = hi > top ? hi : top;
   }
-  size_t ng = (size_t)(K / gran);
-  mm_err *err = NULL;
-  if (w->dtype == MM_DT_U8 || w->dtype == MM_DT_F4_E2M1)
-    memcpy(out->codes, w->data, (size_t)N * (size_t)(K / 2));
+  *smax = sf == MM_SF_E4M3 ? mm_e4m3_to_float(top) : mm_ue8m0_to_float(top);
+  return NULL;
+}
+
+/* The scale bytes [N, ng] of a projection into dst (NULL: byte-typed scales
+ * only, checked where they are), checked; *smax as above. */
+static mm_err *decode_scales(const char *name, const mm_tensor_view *s, const proj_header *h,
+                             uint8_t *dst, float *smax) {
+  const size_t N = (size_t)h->N, ng = h->ng;
   if (s->dtype == MM_DT_I32) {
     size_t words = (ng + 3) / 4;
     const uint8_t *src = s->data; /* little-endian: byte j of word = group 4w+j */
-    for (size_t r = 0; r < (size_t)N; r++)
-      memcpy(out->scales + r * ng, src + r * words * 4, ng);
-  } else if (s->dtype == MM_DT_F32) {
-    const float *src = s->data;
+    for (size_t r = 0; r < N; r++) memcpy(dst + r * ng, src + r * words * 4, ng);
+    return check_scales(name, dst, NULL, N * ng, ng, h->sf, smax);
+  }
+  if (s->dtype == MM_DT_F32) {
     char what[160];
     snprintf(what, sizeof what, "%s.weight_scale", name);
-    err = f32_pow2_scales(src, (size_t)N * ng, out->scales, what);
-  } else {
-    memcpy(out->scales, s->data, (size_t)N * ng);
+    MM_TRY(f32_pow2_scales(s->data, N * ng, dst, what));
+    return check_scales(name, dst, NULL, N * ng, ng, h->sf, smax);
   }
-  if (err) goto fail;
+  return check_scales(name, s->data, dst, N * ng, ng, h->sf, smax);
+}
 
-  /* NaN scale bytes, and the largest scale for the overflow check. */
-  float smax = 0.0f;
-  for (size_t i = 0; i < (size_t)N * ng; i++) {
-    uint8_t b = out->scales[i];
-    int nan = sf == MM_SF_E4M3 ? mm_e4m3_is_nan(b) : b == 0xFF;
-    if (nan) {
-      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                     "%s.weight_scale: NaN scale byte 0x%02x at [%zu, %zu]", name, b, i / ng,
-                     i % ng);
-      goto fail;
-    }
-    float a = fabsf(sf == MM_SF_E4M3 ? mm_e4m3_to_float(b) : mm_ue8m0_to_float(b));
-    if (a > smax) smax = a;
-  }
-
+/* weight_scale_2 and input_scale; the global times the largest group scale
+ * must stay finite. */
+static mm_err *decode_globals(const char *name, const mm_proj_views *v, mm_scale_format sf,
+                              float smax, int require_global, float *global_out,
+                              float *input_scale) {
   float global = 1.0f;
   if (v->scale_2) {
-    MM_TRY_GOTO(read_scalar(name, "weight_scale_2", v->scale_2, &global), err, fail);
-    if (!(global > 0.0f)) {
-      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                     "%s.weight_scale_2: global scale %g is not positive", name, (double)global);
-      goto fail;
-    }
+    MM_TRY(read_scalar(name, "weight_scale_2", v->scale_2, &global));
+    if (!(global > 0.0f))
+      return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                      "%s.weight_scale_2: global scale %g is not positive", name, (double)global);
   } else if (sf == MM_SF_E4M3 && require_global) {
-    err = mm_error(MEGAMOE_CODE_NOT_FOUND,
-                   "%s.weight_scale_2: missing (NVFP4 E4M3 scales need the global scale)", name);
-    goto fail;
+    return mm_error(MEGAMOE_CODE_NOT_FOUND,
+                    "%s.weight_scale_2: missing (NVFP4 E4M3 scales need the global scale)", name);
   }
-  if (!isfinite(6.0f * smax * global)) {
-    err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                   "%s.weight_scale_2: global %g times the largest group scale %g overflows "
-                   "FP32",
-                   name, (double)global, (double)smax);
-    goto fail;
-  }
-  for (int r = 0; r < out->rows; r++) out->row_scale[r] = global;
+  if (!isfinite(6.0f * smax * global))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s.weight_scale_2: global %g times the largest group scale %g overflows "
+                    "FP32",
+                    name, (double)global, (double)smax);
+  *global_out = global;
   if (v->input_scale) {
     float is;
-    MM_TRY_GOTO(read_scalar(name, "input_scale", v->input_scale, &is), err, fail);
+    MM_TRY(read_scalar(name, "input_scale", v->input_scale, &is));
     if (input_scale) *input_scale = is;
   }
   return NULL;
-fail:
-  mm_qmat_free(out);
+}
+
+mm_err *mm_weights_decode_proj(const char *name, const mm_proj_views *v, int rows, int cols,
+                               int gran_k, int require_global, mm_qmat *out,
+                               float *input_scale) {
   memset(out, 0, sizeof(*out));
-  return err;
+  if (input_scale) *input_scale = NAN;
+  proj_header h;
+  MM_TRY(decode_header(name, v, rows, cols, gran_k, &h));
+  if (mm_qmat_alloc(out, (int)h.N, (int)h.K, h.gran, h.sf) != 0) {
+    mm_qmat_free(out);
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory for [%lld, %lld]", name,
+                    (long long)h.N, (long long)h.K);
+  }
+  memcpy(out->codes, v->weight->data, (size_t)h.N * (size_t)(h.K / 2));
+  float smax = 0.0f, global = 1.0f;
+  mm_err *err = decode_scales(name, v->scale, &h, out->scales, &smax);
+  if (!err) err = decode_globals(name, v, h.sf, smax, require_global, &global, input_scale);
+  if (err) {
+    mm_qmat_free(out);
+    memset(out, 0, sizeof(*out));
+    return err;
+  }
+  for (int r = 0; r < out->rows; r++) out->row_scale[r] = global;
+  return NULL;
 }
 
 /* ---- one layer ------------------------------------------------------------ */
@@ -324,27 +378,186 @@ static void free_experts(mm_expert_q *x, int n) {
   memset(x, 0, sizeof(*x) * (size_t)n);
 }
 
-/* Copies (or requantizes) `src` into rows [row0, row0 + src->rows) of dst. */
-static mm_err *place(const mm_qmat *src, mm_qmat *dst, int row0, int requant, int threads,
-                     mm_requant_stats *st) {
-  size_t cb = (size_t)src->cols / 2;
-  memset(st, 0, sizeof(*st));
-  if (requant) {
-    mm_g16_source s = {src->rows, src->cols, src->sf, src->codes, src->scales, src->row_scale};
-    return mm_requant_g16_to_g32(&s, dst->codes + (size_t)row0 * cb,
-                                 dst->scales + (size_t)row0 * (size_t)(dst->cols / 32), threads,
-                                 st);
-  }
-  size_t ng = (size_t)(src->cols / src->gran);
-  memcpy(dst->codes + (size_t)row0 * cb, src->codes, (size_t)src->rows * cb);
-  memcpy(dst->scales + (size_t)row0 * ng, src->scales, (size_t)src->rows * ng);
-  memcpy(dst->row_scale + row0, src->row_scale, sizeof(float) * (size_t)src->rows);
-  return NULL;
-}
-
 static const char *format_name(mm_scale_format sf, int gran) {
   if (sf == MM_SF_E4M3) return gran == 16 ? "nvfp4-g16" : "e4m3-g32";
   return gran == 16 ? "ue8m0-g16" : "ue8m0-g32";
+}
+
+/* ---- the experts of a layer, in parallel -------------------------------- */
+
+/* The layer's format, fixed by its first tensor (the first local expert's
+ * gate_proj, the first one a sequential load meets), and what every
+ * expert's job reads and writes. Each expert writes only its own slots. */
+typedef struct {
+  const mm_config *cfg;
+  const expert_views *ev;
+  int first_expert, H, I;
+  int requant, src_gran, out_gran, inner_threads;
+  mm_scale_format src_sf, out_sf;
+  const char *first_name;
+  mm_expert_q *out;        /* [num_local] */
+  mm_tensor_report *trep;  /* [3 * num_local] */
+  mm_requant_stats *stats; /* [3 * num_local] */
+  mm_err **errs;           /* [num_local] */
+} layer_job;
+
+static void proj_names(int eid, char ename[48], char pname[3][96]) {
+  snprintf(ename, 48, "experts.%d", eid);
+  for (int p = 0; p < 3; p++) snprintf(pname[p], 96, "%s.%s", ename, kProjNames[p]);
+}
+
+static mm_err *check_present(const expert_views *v, int eid, char pname[3][96]) {
+  for (int p = 0; p < 3; p++)
+    for (int f = 0; f < 2; f++)
+      if (!v->t[p][f])
+        return mm_error(MEGAMOE_CODE_NOT_FOUND, "%s.%s: missing (local expert %d)", pname[p],
+                        kFieldNames[f], eid);
+  return NULL;
+}
+
+/* A tensor in another format than the layer's first: finish checking it as
+ * a sequential load would (its own data errors come first), then refuse. */
+static mm_err *other_format(const layer_job *j, const char *pname, const mm_proj_views *v,
+                            int rows, int cols) {
+  mm_qmat q;
+  MM_TRY(mm_weights_decode_proj(pname, v, rows, cols, j->cfg->gran_k, 1, &q, NULL));
+  mm_err *err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                         "%s.weight_scale: format %s differs from %s (%s); one layer needs one "
+                         "format",
+                         pname, format_name(q.sf, q.gran), j->first_name,
+                         format_name(j->src_sf, j->src_gran));
+  mm_qmat_free(&q);
+  return err;
+}
+
+/* Loads local expert le: checks all three projections (codes copied and
+ * scales checked straight into the result when the format stays), then
+ * requantizes them from the source tensors. Same checks in the same order
+ * as one expert of a sequential load, so its first error is the same. */
+static mm_err *load_expert(const layer_job *j, int le) {
+  const expert_views *ev = &j->ev[le];
+  const int eid = j->first_expert + le, H = j->H, I = j->I;
+  char ename[48], pname[3][96];
+  proj_names(eid, ename, pname);
+  MM_TRY(check_present(ev, eid, pname));
+  mm_expert_q *x = &j->out[le];
+  if (mm_qmat_alloc(&x->w13, 2 * I, H, j->out_gran, j->out_sf) != 0 ||
+      mm_qmat_alloc(&x->w2, H, I, j->out_gran, j->out_sf) != 0)
+    return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory", ename);
+  mm_err *err = NULL;
+  const uint8_t *codes[3] = {NULL, NULL, NULL}, *scales[3] = {NULL, NULL, NULL};
+  uint8_t *scale_buf[3] = {NULL, NULL, NULL}; /* converted scales (I32, F32 sources) */
+  float global[3] = {1.0f, 1.0f, 1.0f};
+  for (int p = 0; p < 3 && !err; p++) {
+    if (p == 1) /* gate checked fine: up must look exactly like it */
+      for (int f = 0; f < 4 && !err; f++) {
+        const mm_tensor_view *g = ev->t[0][f], *u = ev->t[1][f];
+        if (g && u) err = same_view(ename, f, g, u);
+      }
+    if (err) break;
+    const mm_proj_views v = {ev->t[p][F_WEIGHT], ev->t[p][F_SCALE], ev->t[p][F_SCALE2],
+                             ev->t[p][F_INPUT]};
+    const int rows = p == 2 ? H : I, cols = p == 2 ? I : H;
+    mm_tensor_report *tr = &j->trep[3 * le + p];
+    tr->expert = eid;
+    tr->proj = (mm_proj)p;
+    tr->input_scale = NAN;
+    proj_header h;
+    if ((err = decode_header(pname[p], &v, rows, cols, j->cfg->gran_k, &h))) break;
+    if (h.gran != j->src_gran || h.sf != j->src_sf) {
+      err = other_format(j, pname[p], &v, rows, cols);
+      break;
+    }
+    mm_qmat *dst = p == 2 ? &x->w2 : &x->w13;
+    const size_t row0 = p == 1 ? (size_t)I : 0, n = (size_t)h.N;
+    float smax = 0.0f;
+    if (!j->requant) {
+      memcpy(dst->codes + row0 * (size_t)(h.K / 2), v.weight->data, n * (size_t)(h.K / 2));
+      err = decode_scales(pname[p], v.scale, &h, dst->scales + row0 * h.ng, &smax);
+    } else if (scales_in_place(v.scale)) {
+      scales[p] = v.scale->data;
+      err = decode_scales(pname[p], v.scale, &h, NULL, &smax);
+    } else {
+      scales[p] = scale_buf[p] = malloc(n * h.ng + 1);
+      err = scale_buf[p] ? decode_scales(pname[p], v.scale, &h, scale_buf[p], &smax)
+                         : mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory", ename);
+    }
+    codes[p] = v.weight->data;
+    if (!err)
+      err = decode_globals(pname[p], &v, h.sf, smax, 1, &global[p], &tr->input_scale);
+    if (err) break;
+    tr->global_scale = global[p];
+    if (!j->requant)
+      for (size_t r = 0; r < n; r++) dst->row_scale[row0 + r] = global[p];
+  }
+  float *rs = j->requant && !err ? malloc(sizeof(float) * (size_t)(H > I ? H : I)) : NULL;
+  if (j->requant && !err && !rs)
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory", ename);
+  for (int p = 0; p < 3 && j->requant && !err; p++) {
+    const int rows = p == 2 ? H : I, cols = p == 2 ? I : H;
+    mm_qmat *dst = p == 2 ? &x->w2 : &x->w13;
+    const size_t row0 = p == 1 ? (size_t)I : 0;
+    for (int r = 0; r < rows; r++) rs[r] = global[p];
+    mm_g16_source src = {rows, cols, j->src_sf, codes[p], scales[p], rs};
+    mm_requant_stats *st = &j->stats[3 * le + p];
+    err = mm_requant_g16_to_g32(&src, dst->codes + row0 * (size_t)(cols / 2),
+                                dst->scales + row0 * (size_t)(cols / 32), j->inner_threads, st);
+    if (err) {
+      err = mm_error_wrap(err, "%s", pname[p]);
+      break;
+    }
+    mm_tensor_report *tr = &j->trep[3 * le + p];
+    tr->rel_rms = st->rel_rms;
+    tr->max_abs = st->max_abs;
+    if (st->rel_rms > j->cfg->requant_max_rel_error)
+      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                     "%s: group16 -> group32 requant error %.4f (relative RMS, max abs %.4g) "
+                     "exceeds requant.max-rel-error %.4f",
+                     pname[p], st->rel_rms, st->max_abs, j->cfg->requant_max_rel_error);
+  }
+  free(rs);
+  for (int p = 0; p < 3; p++) free(scale_buf[p]);
+  return err;
+}
+
+static void load_one(void *ctx, size_t le) {
+  layer_job *j = ctx;
+  j->errs[le] = load_expert(j, (int)le);
+}
+
+/* The layer's output format from its first tensor and the policy; an error
+ * when they contradict each other (naming that tensor). */
+static mm_err *layer_policy(const mm_config *cfg, const char *pname, const proj_header *h,
+                            layer_job *j) {
+  const int H = cfg->model.hidden_size, I = cfg->model.moe_intermediate_size;
+  const int want_requant = cfg->requant_policy == MM_REQUANT_G16_TO_G32;
+  j->src_gran = h->gran;
+  j->src_sf = h->sf;
+  if (h->gran == 16 && want_requant && cfg->gran_k == 16)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s.weight_scale: requant.policy group16-to-group32 contradicts gran-k 16",
+                    pname);
+  if (h->gran == 16 && !want_requant && cfg->gran_k == 32)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s.weight_scale: the checkpoint has group-16 scales (%s) but gran-k is "
+                    "32; set requant.policy: group16-to-group32 or gran-k: 16",
+                    pname, format_name(h->sf, 16));
+  if (h->gran == 32 && cfg->gran_k == 16)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s.weight_scale: the checkpoint has group-32 scales but gran-k is 16 "
+                    "(group 32 cannot be refined)",
+                    pname);
+  j->requant = h->gran == 16 && want_requant;
+  j->out_gran = j->requant ? 32 : h->gran;
+  j->out_sf = j->requant ? MM_SF_UE8M0 : h->sf;
+  if (j->requant && H % 32 != 0)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s: requant to group 32 needs hidden size %% 32 == 0 (H = %d)", pname, H);
+  if (j->requant && I % 32 != 0)
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "%s: requant to group 32 needs moe-intermediate-size %% 32 == 0 (I = %d)",
+                    pname, I);
+  return NULL;
 }
 
 mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensors, size_t n,
@@ -364,12 +577,11 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
   }
 
   mm_err *err = NULL;
-  int built = 0;
-  mm_qmat src[3];
-  memset(src, 0, sizeof src);
   mm_tensor_report *trep = calloc((size_t)num_local * 3, sizeof(mm_tensor_report));
+  mm_requant_stats *stats = calloc((size_t)num_local * 3, sizeof(mm_requant_stats));
   expert_views *ev = calloc((size_t)num_local, sizeof(expert_views));
-  if (!trep || !ev) {
+  mm_err **errs = calloc((size_t)num_local, sizeof(mm_err *));
+  if (!trep || !stats || !ev || !errs) {
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "weights load: out of memory");
     goto fail;
   }
@@ -390,134 +602,53 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
     *slot = &tensors[i];
   }
 
-  const int threads = cfg->cpu_threads;
-  int requant = 0, src_gran = 0, out_gran = 0;
-  mm_scale_format src_sf = MM_SF_E4M3, out_sf = MM_SF_E4M3;
-  const char *first_name = NULL;
-  char first_buf[96];
+  /* The first local expert's gate_proj fixes the layer's format. */
+  char ename0[48], pname0[3][96];
+  proj_names(first_expert, ename0, pname0);
+  MM_TRY_GOTO(check_present(&ev[0], first_expert, pname0), err, fail);
+  const mm_proj_views v0 = {ev[0].t[0][F_WEIGHT], ev[0].t[0][F_SCALE], ev[0].t[0][F_SCALE2],
+                            ev[0].t[0][F_INPUT]};
+  proj_header h0;
+  MM_TRY_GOTO(decode_header(pname0[0], &v0, I, H, cfg->gran_k, &h0), err, fail);
+  const int threads = mm_thread_count(cfg->cpu_threads);
+  layer_job job = {cfg, ev, first_expert, H, I, 0, 0, 0, 1, MM_SF_E4M3, MM_SF_E4M3, pname0[0],
+                   experts_out, trep, stats, errs};
+  job.inner_threads = threads > num_local ? threads / num_local : 1;
+  if ((err = layer_policy(cfg, pname0[0], &h0, &job))) {
+    /* A sequential load finishes checking that tensor first. */
+    mm_qmat q;
+    mm_err *data_err = mm_weights_decode_proj(pname0[0], &v0, I, H, cfg->gran_k, 1, &q, NULL);
+    mm_qmat_free(&q);
+    if (data_err) {
+      mm_error_free(err);
+      err = data_err;
+    }
+    goto fail;
+  }
+
+  /* All experts at once; the first failing one (in expert order) names the error. */
+  mm_parallel_items((size_t)num_local, threads, load_one, &job);
+  for (int le = 0; le < num_local; le++) {
+    if (errs[le] && !err) err = errs[le];
+    else mm_error_free(errs[le]);
+  }
+  if (err) goto fail;
+
+  const int requant = job.requant, src_gran = job.src_gran, out_gran = job.out_gran;
+  const mm_scale_format src_sf = job.src_sf, out_sf = job.out_sf;
   mm_requant_stats total = {0};
   int worst = -1, differ = 0;
   double max_ratio = 1.0;
-
+  for (int i = 0; requant && i < 3 * num_local; i++) {
+    mm_requant_stats_merge(&total, &stats[i]);
+    if (worst < 0 || trep[i].rel_rms > trep[worst].rel_rms) worst = i;
+  }
   for (int le = 0; le < num_local; le++) {
-    int eid = first_expert + le;
-    char ename[48], pname[3][96];
-    snprintf(ename, sizeof ename, "experts.%d", eid);
-    for (int p = 0; p < 3; p++) {
-      snprintf(pname[p], sizeof pname[p], "%s.%s", ename, kProjNames[p]);
-      for (int f = 0; f < 2; f++)
-        if (!ev[le].t[p][f]) {
-          err = mm_error(MEGAMOE_CODE_NOT_FOUND, "%s.%s: missing (local expert %d)", pname[p],
-                         kFieldNames[f], eid);
-          goto fail;
-        }
-    }
-    for (int p = 0; p < 3; p++) {
-      if (p == 1) /* gate decoded fine: up must look exactly like it */
-        for (int f = 0; f < 4; f++) {
-          const mm_tensor_view *g = ev[le].t[0][f], *u = ev[le].t[1][f];
-          if (g && u) MM_TRY_GOTO(same_view(ename, f, g, u), err, fail);
-        }
-      mm_proj_views v = {ev[le].t[p][F_WEIGHT], ev[le].t[p][F_SCALE], ev[le].t[p][F_SCALE2],
-                         ev[le].t[p][F_INPUT]};
-      int rows = p == 2 ? H : I, cols = p == 2 ? I : H;
-      mm_tensor_report *tr = &trep[3 * le + p];
-      tr->expert = eid;
-      tr->proj = (mm_proj)p;
-      MM_TRY_GOTO(mm_weights_decode_proj(pname[p], &v, rows, cols, cfg->gran_k, 1, &src[p],
-                                         &tr->input_scale),
-                  err, fail);
-      tr->global_scale = src[p].row_scale[0];
-      if (!first_name) {
-        /* The first tensor fixes the layer's format; check it against the policy. */
-        memcpy(first_buf, pname[p], sizeof first_buf);
-        first_name = first_buf;
-        src_gran = src[p].gran;
-        src_sf = src[p].sf;
-        int want_requant = cfg->requant_policy == MM_REQUANT_G16_TO_G32;
-        if (src_gran == 16 && want_requant && cfg->gran_k == 16) {
-          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                         "%s.weight_scale: requant.policy group16-to-group32 contradicts gran-k "
-                         "16",
-                         pname[p]);
-          goto fail;
-        }
-        if (src_gran == 16 && !want_requant && cfg->gran_k == 32) {
-          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                         "%s.weight_scale: the checkpoint has group-16 scales (%s) but gran-k is "
-                         "32; set requant.policy: group16-to-group32 or gran-k: 16",
-                         pname[p], format_name(src_sf, 16));
-          goto fail;
-        }
-        if (src_gran == 32 && cfg->gran_k == 16) {
-          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                         "%s.weight_scale: the checkpoint has group-32 scales but gran-k is 16 "
-                         "(group 32 cannot be refined)",
-                         pname[p]);
-          goto fail;
-        }
-        requant = src_gran == 16 && want_requant;
-        out_gran = requant ? 32 : src_gran;
-        out_sf = requant ? MM_SF_UE8M0 : src_sf;
-        if (requant && H % 32 != 0) {
-          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                         "%s: requant to group 32 needs hidden size %% 32 == 0 (H = %d)",
-                         pname[p], H);
-          goto fail;
-        }
-        if (requant && I % 32 != 0) {
-          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                         "%s: requant to group 32 needs moe-intermediate-size %% 32 == 0 (I = %d)",
-                         pname[p], I);
-          goto fail;
-        }
-      } else if (src[p].gran != src_gran || src[p].sf != src_sf) {
-        err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                       "%s.weight_scale: format %s differs from %s (%s); one layer needs one "
-                       "format",
-                       pname[p], format_name(src[p].sf, src[p].gran), first_name,
-                       format_name(src_sf, src_gran));
-        goto fail;
-      }
-    }
-
-    float gg = src[0].row_scale[0], ug = src[1].row_scale[0];
+    float gg = trep[3 * le].global_scale, ug = trep[3 * le + 1].global_scale;
     if (gg != ug) {
       differ++;
       double ratio = gg > ug ? (double)gg / ug : (double)ug / gg;
       if (ratio > max_ratio) max_ratio = ratio;
-    }
-
-    mm_expert_q *x = &experts_out[le];
-    if (mm_qmat_alloc(&x->w13, 2 * I, H, out_gran, out_sf) != 0 ||
-        mm_qmat_alloc(&x->w2, H, I, out_gran, out_sf) != 0) {
-      built = le + 1;
-      err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "%s: out of memory", ename);
-      goto fail;
-    }
-    built = le + 1;
-    for (int p = 0; p < 3; p++) {
-      mm_requant_stats st;
-      mm_qmat *dst = p == 2 ? &x->w2 : &x->w13;
-      err = place(&src[p], dst, p == 1 ? I : 0, requant, threads, &st);
-      if (err) {
-        err = mm_error_wrap(err, "%s", pname[p]);
-        goto fail;
-      }
-      mm_qmat_free(&src[p]);
-      if (!requant) continue;
-      mm_tensor_report *tr = &trep[3 * le + p];
-      tr->rel_rms = st.rel_rms;
-      tr->max_abs = st.max_abs;
-      mm_requant_stats_merge(&total, &st);
-      if (worst < 0 || tr->rel_rms > trep[worst].rel_rms) worst = 3 * le + p;
-      if (st.rel_rms > cfg->requant_max_rel_error) {
-        err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                       "%s: group16 -> group32 requant error %.4f (relative RMS, max abs %.4g) "
-                       "exceeds requant.max-rel-error %.4f",
-                       pname[p], st.rel_rms, st.max_abs, cfg->requant_max_rel_error);
-        goto fail;
-      }
     }
   }
 
@@ -563,14 +694,17 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
     }
   }
   free(trep);
+  free(stats);
   free(ev);
+  free(errs);
   return NULL;
 
 fail:
-  for (int p = 0; p < 3; p++) mm_qmat_free(&src[p]);
-  free_experts(experts_out, built);
+  free_experts(experts_out, num_local);
   free(trep);
+  free(stats);
   free(ev);
+  free(errs);
   if (report_out) mm_requant_report_free(report_out);
   return err;
 }

@@ -72,6 +72,9 @@ void mm_requant_report_free(mm_requant_report *r);
  * requantized (UE8M0, gran 32, row_scale 1; the error of each tensor is
  * measured and a relative RMS above cfg->requant_max_rel_error fails the
  * load). cfg->gran_k (0 = either) must be met by the result.
+ * Experts load in parallel on cfg->cpu_threads threads (0 = all cores);
+ * results and the error reported (the first a sequential load would meet)
+ * do not depend on the thread count.
  * On error nothing is left allocated (experts_out zeroed, report freed).
  * report_out may be NULL; otherwise free it with mm_requant_report_free. */
 mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensors, size_t n,

@@ -3,7 +3,7 @@
  * key-value store for the NCCL bootstrap), random routing inputs, the CPU
  * expectation for the stand-in expert, random experts, and a runner of one
  * thread per rank. Header-only, included by one file per program (it
- * defines mm_log, mm_host_services and mm_experts_free, and uses harness.h's
+ * defines mm_log and mm_host_services, and uses gpu_harness.h's
  * random numbers). */
 #ifndef MM_EP_TEST_UTIL_H
 #define MM_EP_TEST_UTIL_H
@@ -19,7 +19,7 @@
 
 #include "backend.h"
 #include "formats.h"
-#include "harness.h"
+#include "gpu_harness.h"
 #include "megamoe_plugin.h"
 #include "qmat.h"
 #include "ref_moe.h"
@@ -111,14 +111,6 @@ void mm_log(int level, const char *fmt, ...) {
   va_end(ap);
 }
 
-void mm_experts_free(mm_expert_q *ex, int n) {
-  if (!ex) return;
-  for (int i = 0; i < n; i++) {
-    mm_qmat_free(&ex[i].w13);
-    mm_qmat_free(&ex[i].w2);
-  }
-  free(ex);
-}
 
 /* ---- inputs ----------------------------------------------------------------------- */
 

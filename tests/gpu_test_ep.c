@@ -16,15 +16,6 @@
 #include "ep_kernels.h"
 #include "ep_test_util.h"
 
-#define CUDA_OK(x)                                                                  \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      printf("# %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      mm_test_case_failed_ = 1;                                                     \
-      return;                                                                       \
-    }                                                                               \
-  } while (0)
 
 static int g_key_gen = 0;
 

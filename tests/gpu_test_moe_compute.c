@@ -10,19 +10,10 @@
 #include <string.h>
 
 #include "formats.h"
-#include "harness.h"
+#include "gpu_harness.h"
 #include "moe_compute.h"
 #include "ref_moe.h"
 
-#define CUDA_OK(x)                                                                      \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      printf("# %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-      mm_test_case_failed_ = 1;                                                         \
-      return;                                                                           \
-    }                                                                                   \
-  } while (0)
 
 typedef struct {
   int H, I, E;
@@ -347,8 +338,7 @@ static void test_bad_args(void) {
 }
 
 int main(void) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return mm_test_skip_all("no GPU");
+  if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
   RUN(test_bad_args);
   RUN(test_mode1_g32);

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "formats.h"
-#include "harness.h"
+#include "gpu_harness.h"
 #include "layout_sm100.h"
 #include "prep.h"
 #include "prep_golden.h"
@@ -287,8 +287,7 @@ static void test_golden_sm100(void) {
 }
 
 int main(void) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return mm_test_skip_all("no GPU");
+  if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
   RUN(test_requant_random);
   RUN(test_requant_errors);
