@@ -32,7 +32,9 @@ static int register_op(void *host_ctx, const megamoe_op_registration *reg) {
   mm_plugin_loader *l = host_ctx;
   if (!reg || reg->struct_size < MEGAMOE_OP_REGISTRATION_STRUCT_SIZE || !reg->name || !reg->api)
     return -1;
-  if (reg->api->struct_size < MEGAMOE_STRUCT_SIZE(megamoe_op_api, get_info) ||
+  /* This host calls up to validate_config: a shorter table is refused here
+   * rather than called past its end. */
+  if (reg->api->struct_size < MEGAMOE_STRUCT_SIZE(megamoe_op_api, validate_config) ||
       reg->api->abi_major != MEGAMOE_ABI_MAJOR) {
     fprintf(stderr, "megamoe-host: %s: op '%s' has an incompatible op table (ABI %u.%u)\n",
             l->loading_path, reg->name, reg->api->abi_major, reg->api->abi_minor);
