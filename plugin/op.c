@@ -10,72 +10,19 @@
 #include "backend.h"
 #include "dltensor.h"
 #include "op_api.h"
+#include "op_registry.h"
 #include "weights_load.h"
 
 #define MM_MAX_LAYERS 4096
 #define MM_MAX_WEIGHT_TENSORS (1 << 20)
 
-/* ---- live-handle registry ------------------------------------------------- */
-static uv_once_t g_registry_once = UV_ONCE_INIT;
-static uv_mutex_t g_registry_lock;
-static mm_op **g_live;
-static size_t g_live_count, g_live_cap;
-
-static void registry_init(void) { uv_mutex_init(&g_registry_lock); }
-
-static int registry_add(mm_op *op) {
-  uv_once(&g_registry_once, registry_init);
-  uv_mutex_lock(&g_registry_lock);
-  int ok = 1;
-  if (g_live_count == g_live_cap) {
-    size_t cap = g_live_cap ? g_live_cap * 2 : 16;
-    mm_op **grown = realloc(g_live, cap * sizeof *grown);
-    if (grown) { g_live = grown; g_live_cap = cap; } else ok = 0;
-  }
-  if (ok) g_live[g_live_count++] = op;
-  uv_mutex_unlock(&g_registry_lock);
-  return ok;
-}
-
-/* Removes op; returns 1 if it was live. */
-static int registry_remove(mm_op *op) {
-  uv_once(&g_registry_once, registry_init);
-  uv_mutex_lock(&g_registry_lock);
-  int found = 0;
-  for (size_t i = 0; i < g_live_count; i++)
-    if (g_live[i] == op) {
-      g_live[i] = g_live[--g_live_count];
-      found = 1;
-      break;
-    }
-  uv_mutex_unlock(&g_registry_lock);
-  return found;
-}
-
-static int registry_has(const mm_op *op) {
-  uv_once(&g_registry_once, registry_init);
-  uv_mutex_lock(&g_registry_lock);
-  int found = 0;
-  for (size_t i = 0; i < g_live_count && !found; i++) found = g_live[i] == op;
-  uv_mutex_unlock(&g_registry_lock);
-  return found;
-}
-
 static void op_free(mm_op *op);
 
 void mm_op_registry_shutdown(void) {
-  uv_once(&g_registry_once, registry_init);
-  for (;;) {
-    uv_mutex_lock(&g_registry_lock);
-    mm_op *op = g_live_count ? g_live[--g_live_count] : NULL;
-    uv_mutex_unlock(&g_registry_lock);
-    if (!op) break;
+  for (mm_op *op; (op = mm_registry_pop_any());) {
     mm_log(MEGAMOE_LOG_WARN, "finalize: destroying an op the host did not destroy");
     op_free(op);
   }
-  free(g_live);
-  g_live = NULL;
-  g_live_count = g_live_cap = 0;
 }
 
 /* ---- common checks -------------------------------------------------------- */
@@ -91,14 +38,18 @@ void mm_op_registry_shutdown(void) {
                       (args)->struct_size, (size_t)(type_size));                             \
   } while (0)
 
-static mm_err *check_op(const mm_op *op, const char *fn) {
-  if (!op) return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: op is NULL", fn);
-  if (!registry_has(op))
+/* The live op of a handle, refusing NULL, stale and fatal ones. */
+static mm_err *check_op(const megamoe_op *handle, const char *fn, mm_op **out) {
+  *out = NULL;
+  if (!handle) return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "%s: op is NULL", fn);
+  mm_op *op = mm_registry_get(handle);
+  if (!op)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "%s: op handle is not a live op (destroyed, or not made by this plugin)", fn);
   if (op->state == MM_OP_FATAL)
     return mm_error(MEGAMOE_CODE_ABORTED, "%s: op is in a fatal state after an earlier error (%s); "
                     "destroy and re-create it", fn, op->fatal_message);
+  *out = op;
   return NULL;
 }
 
@@ -231,7 +182,8 @@ static megamoe_error *op_create(megamoe_op_create_args *args) {
     op->backend->destroy(op);
     goto fail;
   }
-  if (!registry_add(op)) {
+  megamoe_op *handle = mm_registry_add(op);
+  if (!handle) {
     op->backend->destroy(op);
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "create: out of host memory");
     goto fail;
@@ -242,7 +194,7 @@ static megamoe_error *op_create(megamoe_op_create_args *args) {
          op->backend->name, op->rank, op->ep_size, op->first_local_expert,
          op->first_local_expert + op->num_local_experts, op->cfg.model.hidden_size,
          op->cfg.model.moe_intermediate_size, op->cfg.model.top_k);
-  args->op = (megamoe_op *)op;
+  args->op = handle;
   return NULL;
 fail:
   free(op);
@@ -260,8 +212,8 @@ static void release_layer(mm_op *op, int layer) {
 
 static megamoe_error *op_prepare_weights(megamoe_op_prepare_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE, "prepare_weights");
-  mm_op *op = (mm_op *)args->op;
-  MM_TRY(check_op(op, "prepare_weights"));
+  mm_op *op;
+  MM_TRY(check_op(args->op, "prepare_weights", &op));
   double t0 = now_seconds();
   if (args->layer < 0 || args->layer >= MM_MAX_LAYERS)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "prepare_weights: layer %d is outside [0, %d)",
@@ -367,8 +319,8 @@ done:
 /* ---- plan ------------------------------------------------------------------ */
 static megamoe_error *op_plan(megamoe_op_plan_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, "plan");
-  mm_op *op = (mm_op *)args->op;
-  MM_TRY(check_op(op, "plan"));
+  mm_op *op;
+  MM_TRY(check_op(args->op, "plan", &op));
   int tokens = args->max_tokens_per_rank ? args->max_tokens_per_rank : op->cfg.num_max_tokens_per_rank;
   if (tokens < 1 || tokens > (1 << 20))
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "plan: max_tokens_per_rank %d is outside [1, %d]",
@@ -400,8 +352,8 @@ static int views_overlap(const mm_tensor_view *a, const mm_tensor_view *b) {
 
 static megamoe_error *op_execute(megamoe_op_execute_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, "execute");
-  mm_op *op = (mm_op *)args->op;
-  MM_TRY(check_op(op, "execute"));
+  mm_op *op;
+  MM_TRY(check_op(args->op, "execute", &op));
   if (op->state != MM_OP_PLANNED)
     return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "execute: call plan first");
   if (args->layer < 0 || args->layer >= op->num_layer_slots || !op->layers[args->layer].ready)
@@ -451,9 +403,9 @@ static void op_free(mm_op *op) {
 
 static megamoe_error *op_destroy(megamoe_op_destroy_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, "destroy");
-  mm_op *op = (mm_op *)args->op;
-  if (!op) return NULL;
-  if (!registry_remove(op))
+  if (!args->op) return NULL;
+  mm_op *op = mm_registry_remove(args->op);
+  if (!op)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "destroy: op handle is not a live op (already destroyed?)");
   op_free(op);
@@ -462,8 +414,8 @@ static megamoe_error *op_destroy(megamoe_op_destroy_args *args) {
 
 static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE, "get_info");
-  mm_op *op = (mm_op *)args->op;
-  if (!op || !registry_has(op))
+  mm_op *op = mm_registry_get(args->op);
+  if (!op)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "get_info: op handle is not a live op");
   args->backend = op->backend->name;
   args->ep_size = op->ep_size;
@@ -482,8 +434,8 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
 
 static megamoe_error *op_check(megamoe_op_check_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, "check");
-  mm_op *op = (mm_op *)args->op;
-  MM_TRY(check_op(op, "check"));
+  mm_op *op;
+  MM_TRY(check_op(args->op, "check", &op));
   if (!op->backend->check || op->state != MM_OP_PLANNED) return NULL;
   return mm_error_wrap(op->backend->check(op, args->stream, args->wait), "check");
 }

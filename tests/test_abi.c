@@ -288,6 +288,13 @@ static void test_lifecycle_matches_reference(void) {
   CHECK_OK(g_api->check(&ck)); /* the cpu backend reports errors synchronously */
   destroy(op, 1);
   CHECK_ERR(g_api->check(&ck), MEGAMOE_CODE_INVALID_ARGUMENT); /* stale handle */
+  /* A later op (likely at the same address) does not revive the old handle. */
+  megamoe_error *cerr;
+  megamoe_op *again = create_op(kConfig, &cerr);
+  CHECK_OK(cerr);
+  CHECK(again != op);
+  CHECK_ERR(g_api->check(&ck), MEGAMOE_CODE_INVALID_ARGUMENT);
+  destroy(again, 1);
   destroy(op, 0); /* double destroy is an error, not a crash */
   CHECK_ERR(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT); /* stale handle */
   destroy(NULL, 1);

@@ -853,6 +853,9 @@ static void test_bounded_garbage(void) {
   }
   /* Printable garbage: syntax errors somewhere, but located. */
   for (size_t i = 0; i < n; i++) g[i] = (unsigned char)(0x20 + mm_test_rand_u64() % 95);
+  /* One line with no newline: a leading '#' would make it all one comment
+   * (an empty file, which loads as the defaults) about once in 95 runs. */
+  if (g[0] == '#') g[0] = 'a';
   expect_bounded((const char *)g, n, "1 MiB printable garbage");
   free(g);
 }
