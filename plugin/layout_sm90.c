@@ -201,8 +201,7 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
   }
 }
 
-mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
-                            float *row_scale, double fold_err[2]) {
+mm_err *mm_sm90_check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up) {
   if (mode < MM_WMODE_G32_FP8 || mode > MM_WMODE_G16_FP8)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: unknown weight mode %d",
                     (int)mode);
@@ -222,6 +221,12 @@ mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, 
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "sm90 layout: w13 rows %d must be a multiple of 128 (2 x 64 channels)",
                     m->rows);
+  return NULL;
+}
+
+mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
+                            float *row_scale, double fold_err[2]) {
+  MM_TRY(mm_sm90_check_matrix(m, mode, gate_up));
   const size_t tiles = (size_t)(m->rows / 64);
   uint8_t lut[MM_SM90_LUT_ENTRIES][8];
   mm_sm90_lut_table(lut);

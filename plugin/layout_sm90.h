@@ -138,6 +138,9 @@ void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
  * of a row holds groups whose exponents are too far apart for one FP8 fold.
  * If fold_err is not NULL it receives, for mode 3, sum (w_folded - w)^2 and
  * sum w^2 over the matrix (mode 1/2: the same sums, which are 0 / exact). */
+/* The shape/format checks of the packers (same messages for every path). */
+mm_err *mm_sm90_check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up);
+
 mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
                             float *row_scale, double fold_err[2]);
 

@@ -99,29 +99,6 @@ static int build_tables(pack_tables *T, mm_weight_mode mode) {
   return 0;
 }
 
-/* The reference's argument checks, same messages. */
-static mm_err *check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up) {
-  if (mode < MM_WMODE_G32_FP8 || mode > MM_WMODE_G16_FP8)
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: unknown weight mode %d",
-                    (int)mode);
-  if (m->rows <= 0 || m->rows % 64 || m->cols <= 0 || m->cols % 128)
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "sm90 layout: matrix [%d, %d] must have rows %% 64 == 0 and cols %% 128 == 0",
-                    m->rows, m->cols);
-  if (mode == MM_WMODE_G32_FP8 && (m->gran != 32 || m->sf != MM_SF_UE8M0))
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "sm90 layout: mode g32-fp8 needs gran 32 UE8M0 scales (got gran %d, %s)",
-                    m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
-  if (mode != MM_WMODE_G32_FP8 && (m->gran != 16 || m->sf != MM_SF_E4M3))
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "sm90 layout: gran-16 modes need gran 16 E4M3 scales (got gran %d, %s)",
-                    m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
-  if (gate_up && m->rows % 128)
-    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "sm90 layout: w13 rows %d must be a multiple of 128 (2 x 64 channels)",
-                    m->rows);
-  return NULL;
-}
 
 /* ---- one record ------------------------------------------------------------ */
 
@@ -319,7 +296,7 @@ static mm_err *pack_mats(const pack_mat *mats, int n, mm_weight_mode mode, int t
   int n_ok = n;
   mm_err *check_err = NULL;
   for (int i = 0; i < n && !check_err; i++)
-    if ((check_err = check_matrix(mats[i].m, mode, mats[i].gate_up))) n_ok = i;
+    if ((check_err = mm_sm90_check_matrix(mats[i].m, mode, mats[i].gate_up))) n_ok = i;
   mm_err *err = NULL;
   pack_tables *T = malloc(sizeof *T);
   size_t *first_item = malloc(sizeof(size_t) * ((size_t)n_ok + 1));
