@@ -14,6 +14,21 @@
 
 /* ---------------------------------------------------------------- layer ---- */
 
+/* An empty layer descriptor with its record geometry; NULL without memory. */
+static mm_sm90_layer *layer_new(mm_weight_mode mode, int num_local, int H, int I) {
+  mm_sm90_layer *L = (mm_sm90_layer *)calloc(1, sizeof(*L));
+  if (!L) return NULL;
+  L->mode = mode;
+  L->E = num_local;
+  L->H = H;
+  L->I = I;
+  L->rec = mm_sm90_record_bytes(mode);
+  L->w13_bytes = mm_sm90_matrix_bytes(mode, 2 * I, H);
+  L->w2_bytes = mm_sm90_matrix_bytes(mode, H, I);
+  L->expert_bytes = L->w13_bytes + L->w2_bytes;
+  return L;
+}
+
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                                         mm_weight_mode mode, void *stream,
                                         mm_sm90_layer **out) {
@@ -33,16 +48,8 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "sm90 layer: hidden %d and intermediate %d must be multiples of 128", H, I);
   cudaStream_t st = (cudaStream_t)stream;
-  mm_sm90_layer *L = (mm_sm90_layer *)calloc(1, sizeof(*L));
+  mm_sm90_layer *L = layer_new(mode, num_local, H, I);
   if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
-  L->mode = mode;
-  L->E = num_local;
-  L->H = H;
-  L->I = I;
-  L->rec = mm_sm90_record_bytes(mode);
-  L->w13_bytes = mm_sm90_matrix_bytes(mode, 2 * I, H);
-  L->w2_bytes = mm_sm90_matrix_bytes(mode, H, I);
-  L->expert_bytes = L->w13_bytes + L->w2_bytes;
   mm_err *err = NULL;
   float *hrs = NULL;
   /* Host packing on all cores into two staging buffers (pinned when
@@ -446,16 +453,8 @@ extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_w
   MM_ARG_CHECK(num_local > 0 && H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0,
                "sm90 random layer: bad shape E=%d H=%d I=%d", num_local, H, I);
   cudaStream_t st = (cudaStream_t)stream;
-  mm_sm90_layer *L = (mm_sm90_layer *)calloc(1, sizeof(*L));
+  mm_sm90_layer *L = layer_new(mode, num_local, H, I);
   if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
-  L->mode = mode;
-  L->E = num_local;
-  L->H = H;
-  L->I = I;
-  L->rec = mm_sm90_record_bytes(mode);
-  L->w13_bytes = mm_sm90_matrix_bytes(mode, 2 * I, H);
-  L->w2_bytes = mm_sm90_matrix_bytes(mode, H, I);
-  L->expert_bytes = L->w13_bytes + L->w2_bytes;
   const size_t wbytes = L->expert_bytes * (size_t)num_local;
   const size_t rs_count = (size_t)num_local * (size_t)(2 * I + H);
   uint8_t lut[MM_SM90_LUT_ENTRIES][8];
