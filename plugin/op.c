@@ -23,6 +23,7 @@ void mm_op_registry_shutdown(void) {
     mm_log(MEGAMOE_LOG_WARN, "finalize: destroying an op the host did not destroy");
     op_free(op);
   }
+  mm_registry_release();
 }
 
 /* ---- common checks -------------------------------------------------------- */

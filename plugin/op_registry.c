@@ -9,15 +9,16 @@ _Static_assert(sizeof(uintptr_t) >= 8, "handles pack a 32-bit generation and slo
 
 typedef struct {
   mm_op *op;     /* NULL: free slot */
-  uint32_t gen;  /* bumped on every registration into this slot */
+  uint32_t gen;  /* generation of the registration held */
 } slot;
 
 static uv_once_t g_once = UV_ONCE_INIT;
 static uv_mutex_t g_lock;
-/* Never freed: the generations must outlive finalize and re-init, or a
- * handle from before would name a later op of the same slot. */
 static slot *g_slots;
 static size_t g_num_slots, g_cap;
+/* One counter for all slots, kept across finalize and re-init (the table
+ * itself is freed), so no handle ever names a later registration. */
+static uint32_t g_last_gen;
 
 static void init_lock(void) { uv_mutex_init(&g_lock); }
 
@@ -52,7 +53,8 @@ megamoe_op *mm_registry_add(mm_op *op) {
   }
   if (i == g_num_slots) g_slots[g_num_slots++] = (slot){NULL, 0};
   g_slots[i].op = op;
-  if (++g_slots[i].gen == 0) g_slots[i].gen = 1;
+  if (++g_last_gen == 0) g_last_gen = 1;
+  g_slots[i].gen = g_last_gen;
   megamoe_op *h = handle_of(i, g_slots[i].gen);
   uv_mutex_unlock(&g_lock);
   return h;
@@ -91,4 +93,17 @@ mm_op *mm_registry_pop_any(void) {
     }
   uv_mutex_unlock(&g_lock);
   return op;
+}
+
+void mm_registry_release(void) {
+  uv_once(&g_once, init_lock);
+  uv_mutex_lock(&g_lock);
+  int empty = 1;
+  for (size_t i = 0; i < g_num_slots; i++) empty &= g_slots[i].op == NULL;
+  if (empty) {
+    free(g_slots);
+    g_slots = NULL;
+    g_num_slots = g_cap = 0;
+  }
+  uv_mutex_unlock(&g_lock);
 }

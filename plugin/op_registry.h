@@ -16,5 +16,8 @@ mm_op *mm_registry_get(const megamoe_op *handle);
 mm_op *mm_registry_remove(const megamoe_op *handle);
 /* Unregisters and returns any live op (NULL when none): for finalize. */
 mm_op *mm_registry_pop_any(void);
+/* Frees the table when no op is live (finalize; the plugin may be unloaded
+ * next). Generations keep counting, so earlier handles stay stale. */
+void mm_registry_release(void);
 
 #endif

@@ -96,7 +96,7 @@ common=(status.c formats.c parallel.c json.c config.c)
 declare -A sources=(
   [config]="${common[*]}"
   [safetensors]="${common[*]} safetensors.c safetensors_ckpt.c requant.c weights_load.c layout_sm100.c"
-  [abi_tensors]="${common[*]} entry.c op.c dltensor.c backend_cpu.c ref_moe.c requant.c weights_load.c layout_sm100.c routing.c"
+  [abi_tensors]="${common[*]} entry.c op.c op_registry.c dltensor.c backend_cpu.c ref_moe.c requant.c weights_load.c layout_sm100.c routing.c"
 )
 # Number crunching without coverage instrumentation (still ASan+UBSan): its
 # loops would dominate the run time and add no interesting coverage.

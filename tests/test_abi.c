@@ -371,6 +371,16 @@ static void test_finalize(void) {
   CHECK(leaked != NULL);
   out.finalize();
   CHECK_ERR(create_op(kConfig, &err) == NULL ? err : NULL, MEGAMOE_CODE_FAILED_PRECONDITION);
+  /* Re-initialized: a handle from before finalize names nothing. */
+  CHECK_OK(init_with(&s, 1, MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE, &out));
+  megamoe_op *fresh = create_op(kConfig, &err);
+  CHECK_OK(err);
+  megamoe_op_check_args ck = {MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, NULL, leaked, NULL, 0};
+  CHECK_ERR(g_api->check(&ck), MEGAMOE_CODE_INVALID_ARGUMENT);
+  ck.op = fresh;
+  CHECK_OK(g_api->check(&ck));
+  destroy(fresh, 1);
+  out.finalize();
 }
 
 int main(void) {
