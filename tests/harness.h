@@ -8,12 +8,14 @@
 #ifndef MM_TEST_HARNESS_H
 #define MM_TEST_HARNESS_H
 
+#include <dirent.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static int mm_test_count_ = 0;
 static int mm_test_failed_cases_ = 0;
@@ -128,6 +130,24 @@ static inline float mm_test_uniform(float lo, float hi) {
 static inline float mm_test_normal(void) {
   float u1 = mm_test_uniform(1e-7f, 1.0f), u2 = mm_test_uniform(0.0f, 1.0f);
   return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+/* Removes a file or a directory tree (test scratch space). */
+static inline void mm_test_rm_tree(const char *path) {
+  DIR *d = opendir(path);
+  if (!d) {
+    unlink(path);
+    return;
+  }
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    char p[1024];
+    snprintf(p, sizeof p, "%s/%s", path, e->d_name);
+    mm_test_rm_tree(p);
+  }
+  closedir(d);
+  rmdir(path);
 }
 
 #endif

@@ -983,11 +983,6 @@ static void test_hostile_checkpoints(void) {
   expect_host(p, 1, "does-not-exist.safetensors", NULL);
 }
 
-static void rm_tree(const char *dir) {
-  char cmd[600];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  if (system(cmd) != 0) printf("# could not remove %s\n", dir);
-}
 
 int main(void) {
   const char *dir = getenv("MEGAMOE_BUILDDIR");
@@ -1023,6 +1018,6 @@ int main(void) {
   RUN(test_fifo_paths);
   RUN(test_hostile_checkpoints);
   RUN(test_lifecycle_misuse); /* last: finalizes and re-inits the plugin */
-  rm_tree(g_tmp);
+  mm_test_rm_tree(g_tmp);
   return mm_test_done();
 }

@@ -209,30 +209,10 @@ static void test_requant_sparse(void) {
 #define NEXP 8
 #define MAXT (NEXP * 3 * 4)
 
-typedef struct {
-  int n;
-  mm_tensor_view v[MAXT];
-  char names[MAXT][64];
-  void *data[MAXT];
-} layer_t;
+#include "tensor_list.h"
 
 typedef enum { F_NVFP4, F_MX_U8, F_MX_I32, F_MX_F32, F_UE8M0_G16, F_G16_I32, F_G16_F32 } fmt;
 
-static mm_tensor_view *add(layer_t *L, const char *name, mm_dtype dt, int ndim, int64_t a,
-                           int64_t b, size_t bytes) {
-  mm_tensor_view *t = &L->v[L->n];
-  snprintf(L->names[L->n], sizeof L->names[0], "%s", name);
-  L->data[L->n] = calloc(bytes + 1, 1);
-  t->name = L->names[L->n];
-  t->dtype = dt;
-  t->ndim = ndim;
-  t->shape[0] = a;
-  t->shape[1] = b;
-  t->data = L->data[L->n];
-  t->on_device = 0;
-  L->n++;
-  return t;
-}
 
 static void make_layer(layer_t *L, fmt f) {
   static const char *pn[3] = {"gate_proj", "up_proj", "down_proj"};
@@ -271,10 +251,6 @@ static void make_layer(layer_t *L, fmt f) {
     }
 }
 
-static void free_layer(layer_t *L) {
-  for (int i = 0; i < L->n; i++) free(L->data[i]);
-  L->n = 0;
-}
 
 static mm_tensor_view *V(layer_t *L, const char *name) {
   char nm[80];

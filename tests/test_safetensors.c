@@ -21,22 +21,6 @@ static double now_s(void) {
 
 static void path_in(char *buf, size_t n, const char *name) { snprintf(buf, n, "%s/%s", g_tmp, name); }
 
-static void rm_tree(const char *path) {
-  DIR *d = opendir(path);
-  if (!d) {
-    unlink(path);
-    return;
-  }
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    char p[1024];
-    snprintf(p, sizeof p, "%s/%s", path, e->d_name);
-    rm_tree(p);
-  }
-  closedir(d);
-  rmdir(path);
-}
 
 static megamoe_code code_of(mm_err *e) {
   megamoe_code c = megamoe_error_code(e);
@@ -943,6 +927,6 @@ int main(void) {
   }
   RUN(test_hostile);
   RUN(test_ckpt);
-  rm_tree(g_tmp);
+  mm_test_rm_tree(g_tmp);
   return mm_test_done();
 }

@@ -15,22 +15,6 @@
 
 static char g_tmp[256], g_bin[1024];
 
-static void rm_tree(const char *path) {
-  DIR *d = opendir(path);
-  if (!d) {
-    unlink(path);
-    return;
-  }
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    char p[1024];
-    snprintf(p, sizeof p, "%s/%s", path, e->d_name);
-    rm_tree(p);
-  }
-  closedir(d);
-  rmdir(path);
-}
 
 /* Runs the tool with args; returns its exit status. Its output is echoed
  * as TAP comments. */
@@ -283,6 +267,6 @@ int main(void) {
   RUN(test_mxfp4);
   RUN(test_fast);
   RUN(test_bad_args);
-  rm_tree(g_tmp);
+  mm_test_rm_tree(g_tmp);
   return mm_test_done();
 }

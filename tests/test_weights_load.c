@@ -16,28 +16,8 @@
 #define NEXP 8
 #define MAXT (NEXP * 3 * 4)
 
-typedef struct {
-  int n;
-  mm_tensor_view v[MAXT];
-  char names[MAXT][64];
-  void *data[MAXT];
-} layer_t;
+#include "tensor_list.h"
 
-static mm_tensor_view *add(layer_t *L, const char *name, mm_dtype dt, int ndim, int64_t a,
-                           int64_t b, size_t bytes) {
-  mm_tensor_view *t = &L->v[L->n];
-  snprintf(L->names[L->n], sizeof L->names[0], "%s", name);
-  L->data[L->n] = calloc(bytes + 1, 1);
-  t->name = L->names[L->n];
-  t->dtype = dt;
-  t->ndim = ndim;
-  t->shape[0] = a;
-  t->shape[1] = b;
-  t->data = L->data[L->n];
-  t->on_device = 0;
-  L->n++;
-  return t;
-}
 
 static mm_tensor_view *find(layer_t *L, const char *name) {
   for (int i = 0; i < L->n; i++)
@@ -50,10 +30,6 @@ static void drop(layer_t *L, const char *name) {
   if (t) t->name = "removed.tensor";
 }
 
-static void free_layer(layer_t *L) {
-  for (int i = 0; i < L->n; i++) free(L->data[i]);
-  L->n = 0;
-}
 
 typedef enum { FMT_NVFP4, FMT_MX_U8, FMT_MX_E8M0, FMT_MX_I32, FMT_MX_F32, FMT_UE8M0_G16 } fmt;
 
