@@ -8,8 +8,13 @@
 # PACK_DIR is made by `scripts/gpu_pack.sh` on the build machine: the build's
 # binaries (tests/, host/, plugin .so, bench programs), libyaml/libuv, the
 # golden vectors. Prints a summary table last; full logs go to OUT_DIR.
-#   GPU_SUITE_STEPS="tests sanitizer e2e bench"   which steps to run
+#   GPU_SUITE_STEPS="tests sanitizer e2e layer bench"   which steps to run
 #   GPU_SUITE_TESTS=GLOB   test binaries to run (default gpu_test_*; "*" for all)
+#   GPU_SUITE_BENCH_ARGS="prog=ARGS;prog=ARGS"   arguments per bench program
+#                          (default: none); GPU_SUITE_BENCHES=GLOB which ones
+#   GPU_SUITE_LAYER_TOKENS=8,128,1024,8192   tokens per rank of the layer step
+#                          (whole-layer latency on the e2e checkpoint)
+#   MEGAMOE_TEST_REPLAYS=1000   graph replays of gpu_test_ep_ranks
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
 out=${2:-${OUT:-/tmp/gpu_suite}}
@@ -19,6 +24,8 @@ steps=${GPU_SUITE_STEPS:-tests e2e bench}
 export LD_LIBRARY_PATH="$pack/lib:${LD_LIBRARY_PATH:-}"
 export MEGAMOE_BUILDDIR=$pack MEGAMOE_SRCDIR=$src MEGAMOE_GOLDEN_DIR=$pack/golden
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export MEGAMOE_TEST_REPLAYS=${MEGAMOE_TEST_REPLAYS:-1000}
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 rows=()
 row() { rows+=("$(printf '%-40s %s' "$1" "$2")"); }
 
@@ -28,7 +35,7 @@ if [[ " $steps " == *" tests "* ]]; then
     [ -x "$t" ] || continue
     name=$(basename "$t")
     start=$(date +%s)
-    timeout 300 "$t" >"$out/$name.log" 2>&1
+    timeout "${GPU_SUITE_TEST_TIMEOUT:-300}" "$t" >"$out/$name.log" 2>&1
     rc=$?
     secs=$(($(date +%s) - start))
     okc=$(grep -c '^ok ' "$out/$name.log")
@@ -39,24 +46,46 @@ if [[ " $steps " == *" tests "* ]]; then
   done
 fi
 if [[ " $steps " == *" sanitizer "* ]]; then
-  for t in "$pack"/tests/gpu_test_*; do
+  # The quick compute set and the engine-only EP tests: NCCL's own kernels
+  # under racecheck take minutes and are not ours to check.
+  for t in "$pack"/tests/${GPU_SUITE_SANITIZE:-gpu_test_*}; do
     [ -x "$t" ] || continue
     name=$(basename "$t")
-    for tool in memcheck racecheck; do
-      timeout 400 compute-sanitizer --tool $tool --error-exitcode 99 "$t" >"$out/$name.$tool.log" 2>&1
+    for tool in ${GPU_SUITE_SANITIZE_TOOLS:-memcheck racecheck}; do
+      MEGAMOE_TEST_QUICK=1 MEGAMOE_EP_TEST_ONLY=engine MEGAMOE_TEST_REPLAYS=3 \
+        timeout 400 compute-sanitizer --tool $tool --error-exitcode 99 "$t" >"$out/$name.$tool.log" 2>&1
       row "$name ($tool)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.$tool.log" | tail -1)"
     done
   done
 fi
 if [[ " $steps " == *" e2e "* ]]; then
-  E2E_PREBUILT=$pack E2E_WORK=/tmp/e2e timeout 900 "$src/scripts/e2e_smoke.sh" 2>&1 | tee "$out/e2e.log" | tail -12
+  E2E_PREBUILT=$pack E2E_WORK=/tmp/e2e timeout ${GPU_SUITE_E2E_TIMEOUT:-900} "$src/scripts/e2e_smoke.sh" 2>&1 | tee "$out/e2e.log" | tail -12
   row "e2e_smoke" "$(tail -1 "$out/e2e.log")"
 fi
+if [[ " $steps " == *" layer "* ]]; then
+  # Whole-layer latency per tokens-per-rank on the e2e checkpoint (made by
+  # the e2e step; else one GLM-5 layer is synthesized here).
+  ck=/tmp/e2e/ckpt
+  [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
+    --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/layer-synth.log" 2>&1
+  lt=${GPU_SUITE_LAYER_TOKENS:-8,128,1024,8192}
+  maxt=$(tr ',' '\n' <<<"$lt" | sort -n | tail -1)
+  for policy in ${GPU_SUITE_LAYER_POLICIES:-none}; do
+    timeout 600 "$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so" \
+      --config "$src/conf/megamoe.yaml" --checkpoint "$ck" --set requant.policy=$policy \
+      --set model.hidden-size=6144 --set model.moe-intermediate-size=2048 \
+      --set model.num-experts=256 --set model.top-k=8 --set num-max-tokens-per-rank=$maxt \
+      --tokens "$lt" --iters 20 --warmup 3 --check-tokens 4 >"$out/layer-$policy.log" 2>&1
+    row "layer latency ($policy, $gpus GPU)" "rc=$? $(grep -E 'PASS|FAIL' "$out/layer-$policy.log" | tail -1 | sed 's/.*rel_err/rel_err/')"
+  done
+fi
 if [[ " $steps " == *" bench "* ]]; then
-  for b in "$pack"/bench/*; do
+  for b in "$pack"/bench/${GPU_SUITE_BENCHES:-*}; do
     [ -x "$b" ] || continue
     name=$(basename "$b")
-    timeout 400 "$b" >"$out/$name.log" 2>&1
+    args=$(tr ';' '\n' <<<"${GPU_SUITE_BENCH_ARGS:-}" | sed -n "s/^$name=//p")
+    # shellcheck disable=SC2086
+    timeout 400 "$b" $args >"$out/$name.log" 2>&1
     row "$name" "rc=$? (see $name.log)"
     tail -30 "$out/$name.log"
   done

@@ -1,0 +1,286 @@
+/* gpu_test_ep_ranks.c -- the expert-parallel path over several GPUs, one
+ * thread and one NCCL rank per GPU (all visible GPUs, or
+ * MEGAMOE_TEST_RANKS). Skips with fewer than two GPUs.
+ *
+ * - A low-latency decode step captured in a CUDA graph on every rank and
+ *   replayed MEGAMOE_TEST_REPLAYS times (default 50; the GPU suite asks for
+ *   1000) with inputs rotating through 8 batches: every replay must equal
+ *   the eager execute of the same batch bit for bit, with no error.
+ * - The fault path: the last rank withholds its execute. Every other rank
+ *   must return DEADLINE_EXCEEDED within comm.timeout-ms (plus slack) rather
+ *   than hang, in both dispatch modes; the op is then fatal. Every rank
+ *   destroys its op, new ops are built on a fresh communicator, and a
+ *   normal step through them matches the CPU reference. */
+#include <cuda_runtime.h>
+#include <sys/time.h>
+
+#include "ep_test_util.h"
+#include "ep_backend_util.h"
+
+static const layer_shape kShape = {256, 256, 16, 4, 32, MM_COMPUTE_AUTO};
+
+static double wall_ms(void) {
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  return tv.tv_sec * 1e3 + tv.tv_usec / 1e3;
+}
+
+static int test_ranks(void) {
+  int R = mm_cuda_device_count();
+  const char *env = getenv("MEGAMOE_TEST_RANKS");
+  if (env && atoi(env) > 0 && atoi(env) < R) R = atoi(env);
+  if (R > kShape.E) R = kShape.E;
+  while (kShape.E % R) R--;
+  return R;
+}
+
+/* ---- graph replay at R ranks ------------------------------------------------------------ */
+
+enum { kBatches = 8 };
+
+typedef struct {
+  int R, T, replays;
+  const mm_expert_q *ex;
+  /* [kBatches][R * T] global batches, made on the main thread */
+  uint16_t *x;
+  int32_t *ids;
+  float *w;
+  uint16_t *eager; /* [kBatches][R * T][H], written by the ranks */
+  char key[64];
+  int failed, mismatched_replays, replay_errors;
+  pthread_mutex_t lock;
+} replay_ctx;
+
+static void replay_rank(int rank, void *p) {
+  replay_ctx *c = p;
+  const layer_shape *s = &kShape;
+  const int T = c->T, G = c->R * T;
+  const size_t n = (size_t)T * s->H;
+  int bad = cudaSetDevice(rank) != cudaSuccess, mism = 0, errs = 0;
+  mm_op *op = NULL;
+  dev_io io = {0};
+  cudaStream_t st = NULL;
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  uint16_t *got = malloc(n * 2);
+  mm_err *err = bad ? NULL : make_op(s, c->R, rank, MM_DISPATCH_LOW_LATENCY, T, T, c->ex, c->key, &op);
+  bad = bad || err || io_alloc(&io, T, s->H, s->K) ||
+        cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess;
+  /* eager results of every batch (a collective step on every rank) */
+  for (int b = 0; b < kBatches && !bad && !err; b++) {
+    size_t t0 = (size_t)b * G + (size_t)rank * T;
+    bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
+    if (!bad) err = op_run(op, &io, st);
+    if (!bad && !err)
+      bad = cudaStreamSynchronize(st) || cudaMemcpy(c->eager + t0 * s->H, io.d_out, n * 2,
+                                                    cudaMemcpyDeviceToHost);
+  }
+  if (!bad && !err) {
+    bad = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess;
+    if (!bad) {
+      err = op_run(op, &io, st);
+      bad = cudaStreamEndCapture(st, &graph) != cudaSuccess || !graph ||
+            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess;
+    }
+  }
+  for (int it = 0; it < c->replays && !bad && !err; it++) {
+    int b = it % kBatches;
+    size_t t0 = (size_t)b * G + (size_t)rank * T;
+    bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K) ||
+          cudaGraphLaunch(exec, st) != cudaSuccess || cudaStreamSynchronize(st) != cudaSuccess ||
+          cudaMemcpy(got, io.d_out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess;
+    if (!bad && count_diff(got, c->eager + t0 * s->H, n)) mism++;
+    if (!bad && (it % 100 == 99 || it == c->replays - 1)) {
+      mm_err *e = mm_cuda_check(op, st, 1); /* device-side flags of the replays */
+      if (e) {
+        printf("# rank %d replay %d: %s\n", rank, it, e->message);
+        megamoe_error_destroy(e);
+        errs++;
+      }
+    }
+  }
+  if (err) {
+    printf("# rank %d: %s\n", rank, err->message);
+    megamoe_error_destroy(err);
+    bad = 1;
+  }
+  pthread_mutex_lock(&c->lock);
+  c->failed |= bad;
+  c->mismatched_replays += mism;
+  c->replay_errors += errs;
+  pthread_mutex_unlock(&c->lock);
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  if (st) cudaStreamDestroy(st);
+  io_free(&io);
+  free_op(op);
+  free(got);
+}
+
+static void test_graph_replay_ranks(void) {
+  const layer_shape *s = &kShape;
+  replay_ctx c = {0};
+  c.R = test_ranks();
+  c.T = 32;
+  const char *env = getenv("MEGAMOE_TEST_REPLAYS");
+  c.replays = env && atoi(env) > 0 ? atoi(env) : 50;
+  c.ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
+  const size_t G = (size_t)c.R * c.T;
+  c.x = malloc(kBatches * G * s->H * 2);
+  c.ids = malloc(kBatches * G * s->K * 4);
+  c.w = malloc(kBatches * G * s->K * 4);
+  c.eager = malloc(kBatches * G * s->H * 2);
+  uint16_t *want = malloc(G * s->H * 2);
+  pthread_mutex_init(&c.lock, NULL);
+  for (int b = 0; b < kBatches; b++) {
+    ept_fill_hidden(c.x + b * G * s->H, (int)G, s->H);
+    ept_fill_ids(c.ids + b * G * s->K, (int)G, s->K, s->E,
+                 b == 3 ? EPT_IDS_ONE_EXPERT : b == 5 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM, b);
+    ept_fill_weights(c.w + b * G * s->K, (int)G, s->K);
+  }
+  snprintf(c.key, sizeof c.key, "ept-replay-%d", g_key_gen++);
+  double t0 = wall_ms();
+  ept_run_ranks(c.R, replay_rank, &c);
+  printf("# graph replay at %d ranks: %d replays of a %d-token low-latency step per rank in %.1f s, "
+         "%d replays differ from eager, %d checks reported errors\n",
+         c.R, c.replays, c.T, (wall_ms() - t0) / 1e3, c.mismatched_replays, c.replay_errors);
+  CHECK(!c.failed);
+  CHECK_EQ_INT(c.mismatched_replays, 0);
+  CHECK_EQ_INT(c.replay_errors, 0);
+  for (int b = 0; b < kBatches && !c.failed; b++) {
+    reference(s, c.ex, (int)G, c.x + b * G * s->H, c.ids + b * G * s->K, c.w + b * G * s->K, want);
+    double rel = rel_frob(c.eager + b * G * s->H, want, G * s->H);
+    printf("# batch %d: rel %.2e vs reference\n", b, rel);
+    CHECK(rel <= backend_tolerance(s->gran));
+  }
+  pthread_mutex_destroy(&c.lock);
+  mm_experts_free((mm_expert_q *)c.ex, s->E);
+  free(c.x), free(c.ids), free(c.w), free(c.eager), free(want);
+}
+
+/* ---- a rank withholds its execute ------------------------------------------------------- */
+
+typedef struct {
+  int R, T, timeout_ms;
+  mm_dispatch_mode dm;
+  const mm_expert_q *ex;
+  const uint16_t *x;
+  const int32_t *ids;
+  const float *w;
+  uint16_t *out; /* [R * T][H], the recovery step */
+  char key[64], key2[64];
+  pthread_barrier_t barrier;
+  pthread_mutex_t lock;
+  int failed, timeouts;
+  double worst_ms;
+} fault_ctx;
+
+static void fault_rank(int rank, void *p) {
+  fault_ctx *c = p;
+  const layer_shape *s = &kShape;
+  const int withhold = rank == c->R - 1;
+  int bad = cudaSetDevice(rank) != cudaSuccess, timed_out = 0;
+  double ms = 0;
+  mm_op *op = NULL;
+  dev_io io = {0};
+  size_t t0 = (size_t)rank * c->T;
+  mm_err *err = bad ? NULL : make_op(s, c->R, rank, c->dm, c->T, c->T, c->ex, c->key, &op);
+  bad = bad || err || io_alloc(&io, c->T, s->H, s->K) ||
+        io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
+  if (err) {
+    printf("# rank %d setup: %s\n", rank, err->message);
+    megamoe_error_destroy(err);
+    err = NULL;
+  }
+  pthread_barrier_wait(&c->barrier);
+  if (!bad && !withhold) {
+    double a = wall_ms();
+    err = op_run(op, &io, NULL);
+    /* low-latency: no host sync inside execute; the check waits */
+    if (!err) err = mm_cuda_check(op, NULL, 1);
+    ms = wall_ms() - a;
+    timed_out = err && err->code == MEGAMOE_CODE_DEADLINE_EXCEEDED && op->state == MM_OP_FATAL;
+    printf("# rank %d (%s): %s after %.0f ms\n", rank,
+           c->dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency",
+           err ? err->message : "no error", ms);
+    megamoe_error_destroy(err);
+    err = NULL;
+  }
+  /* the withholding rank waits for the others' verdicts, then everybody
+   * destroys its op (the survivors' communicators are already aborted) */
+  pthread_barrier_wait(&c->barrier);
+  free_op(op);
+  op = NULL;
+  pthread_barrier_wait(&c->barrier);
+  /* recovery: a fresh op on a fresh communicator, one normal step */
+  if (!bad) err = make_op(s, c->R, rank, MM_DISPATCH_NORMAL, c->T, c->T, c->ex, c->key2, &op);
+  if (!bad && !err) err = op_run(op, &io, NULL);
+  if (!bad && !err)
+    bad = cudaDeviceSynchronize() ||
+          cudaMemcpy(c->out + t0 * s->H, io.d_out, (size_t)c->T * s->H * 2, cudaMemcpyDeviceToHost);
+  if (err) {
+    printf("# rank %d recovery: %s\n", rank, err->message);
+    megamoe_error_destroy(err);
+    bad = 1;
+  }
+  pthread_mutex_lock(&c->lock);
+  c->failed |= bad;
+  if (!withhold) {
+    c->timeouts += timed_out;
+    if (ms > c->worst_ms) c->worst_ms = ms;
+  }
+  pthread_mutex_unlock(&c->lock);
+  io_free(&io);
+  free_op(op);
+}
+
+static void test_withheld_execute(void) {
+  const layer_shape *s = &kShape;
+  const int R = test_ranks(), T = 24, G = R * T;
+  mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
+  uint16_t *x = malloc((size_t)G * s->H * 2), *out = malloc((size_t)G * s->H * 2),
+           *want = malloc((size_t)G * s->H * 2);
+  int32_t *ids = malloc((size_t)G * s->K * 4);
+  float *w = malloc((size_t)G * s->K * 4);
+  ept_fill_hidden(x, G, s->H);
+  ept_fill_ids(ids, G, s->K, s->E, EPT_IDS_RANDOM, 0);
+  ept_fill_weights(w, G, s->K);
+  const int saved_timeout = g_comm_timeout_ms;
+  g_comm_timeout_ms = 3000;
+  for (int dm = MM_DISPATCH_NORMAL; dm <= MM_DISPATCH_LOW_LATENCY; dm++) {
+    fault_ctx c = {.R = R, .T = T, .timeout_ms = g_comm_timeout_ms, .dm = (mm_dispatch_mode)dm,
+                   .ex = ex, .x = x, .ids = ids, .w = w, .out = out};
+    snprintf(c.key, sizeof c.key, "ept-fault-%d", g_key_gen++);
+    snprintf(c.key2, sizeof c.key2, "ept-fault-%d", g_key_gen++);
+    pthread_barrier_init(&c.barrier, NULL, (unsigned)R);
+    pthread_mutex_init(&c.lock, NULL);
+    memset(out, 0xFF, (size_t)G * s->H * 2);
+    ept_run_ranks(R, fault_rank, &c);
+    printf("# withheld execute at %d ranks (%s): %d of %d waiting ranks timed out, worst %.0f ms "
+           "(limit %d ms)\n",
+           R, dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency", c.timeouts, R - 1, c.worst_ms,
+           c.timeout_ms);
+    CHECK(!c.failed);
+    CHECK_EQ_INT(c.timeouts, R - 1);
+    CHECK(c.worst_ms < c.timeout_ms + 5000);
+    reference(s, ex, G, x, ids, w, want);
+    double rel = rel_frob(out, want, (size_t)G * s->H);
+    printf("# recovery step: rel %.2e vs reference\n", rel);
+    CHECK(rel <= backend_tolerance(s->gran));
+    pthread_barrier_destroy(&c.barrier);
+    pthread_mutex_destroy(&c.lock);
+  }
+  g_comm_timeout_ms = saved_timeout;
+  mm_experts_free(ex, s->E);
+  free(x), free(out), free(want), free(ids), free(w);
+}
+
+int main(void) {
+  if (mm_cuda_device_count() <= 0) return mm_test_skip_all("no GPU");
+  if (test_ranks() < 2) return mm_test_skip_all("fewer than two GPUs");
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  mm_test_seed();
+  RUN(test_graph_replay_ranks);
+  RUN(test_withheld_execute);
+  return mm_test_done();
+}
