@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 #include "moe_sm90_impl.h"
 
 namespace {
@@ -631,13 +633,25 @@ mm_err *make_map(CUtensorMap *m, CUtensorMapDataType dt, const void *base, uint6
   return NULL;
 }
 
+/* Per-device state: the ranks of one process drive different devices from
+ * different threads, and a function attribute belongs to one device's
+ * context (setting it once per process left rank 1's launches invalid). */
+constexpr int kMaxDevices = 64;
+
+int current_device() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return dev;
+}
+
 int sm_count() {
-  static int n = 0;
+  static std::atomic<int> cached[kMaxDevices];
+  const int dev = current_device();
+  int n = dev < kMaxDevices ? cached[dev].load() : 0;
   if (!n) {
-    int dev = 0;
-    cudaGetDevice(&dev);
     if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
       n = 132;
+    if (dev < kMaxDevices) cached[dev].store(n);
   }
   return n;
 }
@@ -645,11 +659,13 @@ int sm_count() {
 template <int MODE, int GEMM, int BN>
 mm_err *launch(const Params &p, const CUtensorMap &b, const CUtensorMap &s, cudaStream_t st) {
   using S = Smem<MODE, GEMM, BN>;
-  static bool attr = false;
-  if (!attr) {
+  static std::atomic<uint64_t> done{0}; /* one bit per device */
+  const int dev = current_device();
+  const uint64_t bit = dev < kMaxDevices ? 1ull << dev : 0;
+  if (!(done.load() & bit) || !bit) {
     MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BN>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
-    attr = true;
+    done.fetch_or(bit);
   }
   wg_kernel<MODE, GEMM, BN><<<sm_count(), kThreads, S::kBytes, st>>>(p, b, s);
   MM_CUDA_TRY(cudaGetLastError());

@@ -75,7 +75,7 @@ for policy in none group16-to-group32; do
     "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
       --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
       --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
-      --set dispatch-mode=$mode --set num-max-tokens-per-rank=4096 \
+      --set dispatch-mode=$mode --set num-max-tokens-per-rank=4096 --set comm.timeout-ms=60000 \
       --tokens $tokens --iters 5 --warmup 1 --check-tokens 8 "${extra[@]}" >"$log" 2>&1
     rc=$?
     line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
