@@ -1,7 +1,8 @@
 /* ep_kernels.h -- C-callable launchers of the expert-parallel kernels
  * (kernels/ep_dispatch.cu, kernels/ep_combine.cu). They implement the routing
  * plan of plugin/routing.h exactly; the communication between them is NCCL,
- * issued by plugin/ep_engine.c. Launchers return a cudaError_t as int (0 = OK).
+ * issued by plugin/ep_engine.c, or, for low-latency steps on one node, the
+ * CUDA IPC exchange kernel below (kernels/ep_ipc.cu). Launchers return a cudaError_t as int (0 = OK).
  *
  * Execute sequence (one stream):
  *   route         ids -> tok_slot / pair_slot, this rank's row of the count matrix

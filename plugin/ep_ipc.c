@@ -28,7 +28,8 @@ typedef struct ipc_info {
   uint64_t process; /* per-process nonce */
   int32_t pid, device;
   char bus[32];
-  int32_t want, ok; /* asks for IPC; its buffer and handle exist */
+  int32_t want, ok; /* asks for IPC; its buffer exists */
+  int32_t has_handle; /* its IPC handle exists (needed by other processes only) */
   int32_t ll_tokens, row_bytes, hidden, top_k;
   uint64_t bytes, ptr;
   cudaIpcMemHandle_t handle;
@@ -148,6 +149,10 @@ static int map_peer(mm_ep_ipc *x, const ipc_info *me, const ipc_info *p, int q, 
     }
     return 1; /* the peer's pointer is valid here as it is */
   }
+  if (!p->has_handle) {
+    snprintf(why, cap, "rank %d (another process) has no IPC handle for its buffer", q);
+    return 0;
+  }
   int dev = -1;
   if (cudaDeviceGetByPCIBusId(&dev, p->bus) == cudaSuccess && dev != me->device) {
     ce = cudaDeviceCanAccessPeer(&can, me->device, dev);
@@ -211,7 +216,11 @@ mm_err *mm_ep_ipc_create(const mm_ep_ipc_args *a, mm_ep_ipc **out) {
   if (ce == cudaSuccess && want) ce = cudaMemset(x->base, 0, x->bytes);
   if (ce == cudaSuccess && want && R > 1)
     ce = cudaDeviceGetPCIBusId(mine->bus, (int)sizeof mine->bus, a->device);
-  if (ce == cudaSuccess && want && R > 1) ce = cudaIpcGetMemHandle(&mine->handle, x->base);
+  if (ce == cudaSuccess && want && R > 1) {
+    /* Peers in this process use the pointer: a missing handle only matters to others. */
+    mine->has_handle = cudaIpcGetMemHandle(&mine->handle, x->base) == cudaSuccess;
+    cudaGetLastError();
+  }
   if (ce != cudaSuccess) {
     snprintf(why, sizeof why, "rank %d: buffer of %llu bytes: %s", me,
              (unsigned long long)x->bytes, cudaGetErrorString(ce));
