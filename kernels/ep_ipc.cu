@@ -20,7 +20,11 @@
 
 namespace {
 
-constexpr int kCopyBlocks = 32; // the data exchanges: enough SMs to keep NVLink busy
+// Data exchanges: one block per 64 KiB of the segments' capacity, 4 to 64
+// blocks (few for a handful of tokens, enough SMs to keep NVLink busy at
+// hundreds). The receivers do not depend on the sender's grid.
+constexpr int kMinBlocks = 4, kMaxBlocks = 64;
+constexpr int64_t kBytesPerBlock = 64 << 10;
 constexpr int kCopyThreads = 512;
 constexpr int kCountThreads = 128;
 
@@ -132,16 +136,18 @@ __global__ void __launch_bounds__(kCopyThreads) exchange_kernel(mm_ep_dev d, mm_
       }
     }
   }
-  // Every thread's stores before the block counts itself done.
-  __threadfence_system();
+  // The block's stores (ordered by the barrier), fenced at system scope,
+  // before it counts itself done (the pattern of a flag after a barrier).
   __syncthreads();
-  if (tid == 0)
+  if (tid == 0) {
+    __threadfence_system();
     s_last = atomicAdd(reinterpret_cast<unsigned long long *>(x.local + 1), 1ull) ==
              (unsigned long long)gridDim.x - 1;
+  }
   __syncthreads();
   if (!s_last) return;
-  __threadfence_system(); // the other blocks' stores (fenced before they counted) before the flags
   if (tid == 0) s_ok = !failed(x);
+  __threadfence_system(); // the other blocks' stores (fenced before they counted) before the flags
   __syncthreads();
   if (s_ok) {
     for (int q = tid; q < R; q += blockDim.x) st_release_sys(peer_word(x, q, x.data_off), e);
@@ -160,7 +166,12 @@ extern "C" int mm_ep_launch_ipc_exchange(const mm_ep_dev *d, const mm_ep_ipc_dev
                                          void *stream) {
   if (kind < MM_EP_IPC_COUNTS || kind > MM_EP_IPC_COMBINE) return (int)cudaErrorInvalidValue;
   const bool counts = kind == MM_EP_IPC_COUNTS;
-  exchange_kernel<<<counts ? 1 : kCopyBlocks, counts ? kCountThreads : kCopyThreads, 0,
+  const int64_t cap = kind == MM_EP_IPC_DISPATCH
+                          ? (int64_t)d->ranks * d->tok_stride * d->row_bytes
+                          : (int64_t)d->ranks * d->pair_stride * d->hidden * 2;
+  int64_t blocks = cap / kBytesPerBlock;
+  blocks = blocks < kMinBlocks ? kMinBlocks : blocks > kMaxBlocks ? kMaxBlocks : blocks;
+  exchange_kernel<<<counts ? 1 : (int)blocks, counts ? kCountThreads : kCopyThreads, 0,
                     (cudaStream_t)stream>>>(*d, *x, kind);
   return (int)cudaGetLastError();
 }
