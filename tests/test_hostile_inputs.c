@@ -242,6 +242,45 @@ static void test_nan_inf_inputs(void) {
   CHECK_OK(mmfx_destroy(op));
 }
 
+/* The same with the SwiGLU clamp on: a NaN token stays NaN through the clamp
+ * (fminf / fmaxf would have made it +-clamp and the row finite). */
+static void test_nan_inf_with_clamp(void) {
+  static const char *cfg =
+      "schema-version: 1\n"
+      "backend: cpu-reference\n"
+      "model: {hidden-size: 128, moe-intermediate-size: 128, num-experts: 4, top-k: 2,\n"
+      "        activation-clamp: 0.5}\n"
+      "num-max-tokens-per-rank: 16\n"
+      "cpu: {threads: 1}\n"
+      "log-level: error\n";
+  megamoe_op *op;
+  CHECK_OK(mmfx_create(cfg, "clamp.yaml", &op));
+  if (!op) return;
+  CHECK_OK(prepare(op, 0));
+  CHECK_OK(mmfx_plan(op, TP));
+  enum { T = 5 };
+  uint16_t hid[T * H], out[T * H], clean_out[T * H];
+  int32_t ids[T * K];
+  float w[T * K];
+  memcpy(hid, g_ref_hid, sizeof hid);
+  memcpy(ids, g_ref_ids, sizeof ids);
+  memcpy(w, g_ref_w, sizeof w);
+  mmfx_io io;
+  mmfx_io_init(&io, T, hid, ids, w, clean_out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  const int c1 = (int)(mm_test_rand_u64() % H);
+  hid[1 * H + c1] = 0x7FC0; /* NaN */
+  hid[2 * H + c1] = 0xFF80; /* -Inf */
+  w[3 * K] = INFINITY;      /* Inf weight on a live slot */
+  mmfx_io_init(&io, T, hid, ids, w, out);
+  memset(out, 0x55, sizeof out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  for (int t = 1; t <= 3; t++) CHECK_MSG(row_all_nan(out + t * H), "token %d is not all NaN", t);
+  CHECK(memcmp(out, clean_out, H * 2) == 0);
+  CHECK(memcmp(out + 4 * H, clean_out + 4 * H, H * 2) == 0);
+  CHECK_OK(mmfx_destroy(op));
+}
+
 /* NaN bytes and non-finite values in weights: refused at prepare with the
  * tensor's name; nothing of the failed layer stays, an earlier preparation
  * of the same layer is still the one used. */
@@ -872,6 +911,7 @@ int main(void) {
   make_reference();
   RUN(test_duplicate_ids);
   RUN(test_nan_inf_inputs);
+  RUN(test_nan_inf_with_clamp);
   RUN(test_bad_weight_values);
   RUN(test_bad_weight_tensors);
   RUN(test_token_counts);
