@@ -185,6 +185,18 @@ static int row_all_nan(const uint16_t *row) {
   return 1;
 }
 
+/* Copies the first T tokens of the reference batch into hid/ids/w and runs
+ * them into clean_out: the clean batch a poisoned copy is compared with. */
+static void run_clean_prefix(megamoe_op *op, int T, uint16_t *hid, int32_t *ids, float *w,
+                             uint16_t *clean_out) {
+  memcpy(hid, g_ref_hid, sizeof hid[0] * (size_t)T * H);
+  memcpy(ids, g_ref_ids, sizeof ids[0] * (size_t)T * K);
+  memcpy(w, g_ref_w, sizeof w[0] * (size_t)T * K);
+  mmfx_io io;
+  mmfx_io_init(&io, T, hid, ids, w, clean_out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+}
+
 /* NaN / Inf in hidden states or top-k weights: defined as "the token's output
  * row is NaN in every channel" (FP8 quantization of a block holding NaN/Inf
  * yields NaN, which reaches every output channel through the two GEMMs), other
@@ -197,13 +209,9 @@ static void test_nan_inf_inputs(void) {
   static uint16_t hid[T * H], out[T * H], out2[T * H], clean_out[T * H];
   int32_t ids[T * K];
   float w[T * K];
-  memcpy(hid, g_ref_hid, sizeof hid);
-  memcpy(ids, g_ref_ids, sizeof ids);
-  memcpy(w, g_ref_w, sizeof w);
-  mmfx_io io;
-  mmfx_io_init(&io, T, hid, ids, w, clean_out);
-  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  run_clean_prefix(op, T, hid, ids, w, clean_out);
   CHECK(memcmp(clean_out, g_ref_out, sizeof clean_out) == 0); /* a prefix of the reference */
+  mmfx_io io;
   const int c1 = (int)(mm_test_rand_u64() % H);
   hid[1 * H + c1] = 0x7FC0;               /* NaN */
   hid[2 * H + c1] = 0x7F80;               /* +Inf */
@@ -262,16 +270,12 @@ static void test_nan_inf_with_clamp(void) {
   uint16_t hid[T * H], out[T * H], clean_out[T * H];
   int32_t ids[T * K];
   float w[T * K];
-  memcpy(hid, g_ref_hid, sizeof hid);
-  memcpy(ids, g_ref_ids, sizeof ids);
-  memcpy(w, g_ref_w, sizeof w);
-  mmfx_io io;
-  mmfx_io_init(&io, T, hid, ids, w, clean_out);
-  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  run_clean_prefix(op, T, hid, ids, w, clean_out);
   const int c1 = (int)(mm_test_rand_u64() % H);
   hid[1 * H + c1] = 0x7FC0; /* NaN */
   hid[2 * H + c1] = 0xFF80; /* -Inf */
   w[3 * K] = INFINITY;      /* Inf weight on a live slot */
+  mmfx_io io;
   mmfx_io_init(&io, T, hid, ids, w, out);
   memset(out, 0x55, sizeof out);
   CHECK_OK(mmfx_execute_io(op, 0, &io));
