@@ -343,8 +343,8 @@ __global__ void __launch_bounds__(128) simt_l1(mm_sm90_layer L, mm_expert_pool P
   const float *rs = L.d_rs13 + (size_t)e * (size_t)(2 * I);
   float g = round_bf16(fg * rs[rg]), u = round_bf16(fu * rs[ru]);
   if (clamp > 0.0f) {
-    g = fminf(g, clamp);
-    u = fminf(fmaxf(u, -clamp), clamp);
+    g = mm_clamp_gate(g, clamp); /* keeps NaN, unlike fminf */
+    u = mm_clamp_up(u, clamp);
   }
   const float s = g / (1.0f + expf(-g));
   const float a = (s * u) * P.row_weight[row];

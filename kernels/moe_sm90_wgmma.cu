@@ -497,8 +497,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int i = 4 * (k >> 1) + (k & 1);
           float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
           if (p.clamp > 0.0f) {
-            gt = fminf(gt, p.clamp);
-            up = fminf(fmaxf(up, -p.clamp), p.clamp);
+            gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
+            up = mm_clamp_up(up, p.clamp);
           }
           const float s = gt / (1.0f + expf(-gt));
           av[j][k] = (s * up) * rwv[k];

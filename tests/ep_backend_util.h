@@ -148,14 +148,20 @@ static mm_err *op_run(mm_op *op, dev_io *io, void *stream) {
   return mm_backend_cuda.execute(op, 0, &e);
 }
 
-static void reference(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
-                      const int32_t *ids, const float *w, uint16_t *out) {
+/* The CPU expectation; clamp = model.activation-clamp (0: none). */
+static void reference_clamped(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
+                              const int32_t *ids, const float *w, float clamp, uint16_t *out) {
   int32_t *clean = malloc(sizeof(int32_t) * ((size_t)T * s->K + 1));
   for (int i = 0; i < T * s->K; i++) clean[i] = ids[i] >= 0 && ids[i] < s->E ? ids[i] : -1;
-  mm_ref_layer_args a = {T, s->H, s->I, s->K, s->E, 0, s->E, ex, x, clean, w, 2.5f, 0.0f, 0,
+  mm_ref_layer_args a = {T, s->H, s->I, s->K, s->E, 0, s->E, ex, x, clean, w, 2.5f, clamp, 0,
                          out, NULL};
   CHECK_OK(mm_ref_moe_layer(&a));
   free(clean);
+}
+
+static void reference(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
+                      const int32_t *ids, const float *w, uint16_t *out) {
+  reference_clamped(s, ex, T, x, ids, w, 0.0f, out);
 }
 
 #endif
