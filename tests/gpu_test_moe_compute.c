@@ -84,26 +84,36 @@ static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, 
 }
 
 /* The reference intermediate of ref_moe.h for one expert's rows: FP8 codes
- * [m, I] and scales [m, I/128] (same formulas, float64 dots). */
+ * [m, I] and scales [m, I/128] (same formulas, float64 dots), and for every
+ * (row, channel) the gate/up dots before the row factor (g, u) and their
+ * magnitude sums sum_k |x_k w_k| (ga, ua), which bound any accumulation
+ * order's error. */
+typedef struct {
+  double *g, *u, *ga, *ua; /* [rows][I] */
+} l1_dots;
+
 static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, const float *xs,
-                             const float *rw, float clamp, uint8_t *aq, float *as) {
+                             const float *rw, float clamp, uint8_t *aq, float *as, l1_dots *d) {
   const int H = e->w13.cols, I = e->w2.cols, KB = H / 128;
   double *x = malloc(sizeof(double) * H);
-  float *a = malloc(sizeof(float) * I), *wg = malloc(sizeof(float) * H), *wu = malloc(sizeof(float) * H);
+  float *a = malloc(sizeof(float) * I);
   for (int i = 0; i < m; i++) {
     for (int k = 0; k < H; k++)
       x[k] = (double)mm_e4m3_to_float(xq[(size_t)i * H + k]) * xs[(size_t)i * KB + k / 128];
     for (int c = 0; c < I; c++) {
-      double g = 0, u = 0;
+      double g = 0, u = 0, ga = 0, ua = 0;
       for (int k = 0; k < H; k++) {
-        g += x[k] * (double)mm_qmat_weight(&e->w13, c, k);
-        u += x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+        const double pg = x[k] * (double)mm_qmat_weight(&e->w13, c, k);
+        const double pu = x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+        g += pg, u += pu, ga += fabs(pg), ua += fabs(pu);
       }
+      const size_t o = (size_t)i * I + c;
+      d->g[o] = g, d->u[o] = u, d->ga[o] = ga, d->ua[o] = ua;
       float gf = mm_round_bf16((float)(g * e->w13.row_scale[c]));
       float uf = mm_round_bf16((float)(u * e->w13.row_scale[I + c]));
       if (clamp > 0) {
-        gf = fminf(gf, clamp);
-        uf = fminf(fmaxf(uf, -clamp), clamp);
+        gf = mm_clamp_gate(gf, clamp);
+        uf = mm_clamp_up(uf, clamp);
       }
       a[c] = mm_swiglu_weighted(gf, uf, rw[i]);
     }
@@ -112,35 +122,77 @@ static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, con
   }
   free(x);
   free(a);
-  free(wg);
-  free(wu);
 }
 
-/* Intermediate check: every FP8 code within one step of the reference (a
- * rounding flip), few flips, scales within 1e-3. */
-static void check_intermediate(const uint8_t *gq, const float *gs, const uint8_t *rq,
-                               const float *rs, int rows, int I, const char *what,
-                               double max_far_frac, double max_flip_frac, double max_scale_rel) {
-  size_t flips = 0, far = 0, n = (size_t)rows * I;
+/* Whether the GPU's FP8 code q for (row i, channel c) is one a correct kernel
+ * can produce: the reference path re-run with the gate and up dots moved by
+ * up to tau * sum|x w| (any summation order's error bound, tau per path),
+ * the value scaled by the GPU's own block scale and moved by 2^-20 (expf and
+ * reciprocal ulps). So only codes at rounding near-ties may differ. */
+static int code_explained(const mm_expert_q *e, const l1_dots *d, size_t o, int c, float rw,
+                          float clamp, float gpu_scale, double tau, uint8_t q) {
+  const int I = e->w2.cols;
+  for (int gi = -1; gi <= 1; gi++)
+    for (int ui = -1; ui <= 1; ui++) {
+      float gf = mm_round_bf16((float)((d->g[o] + gi * tau * d->ga[o]) * e->w13.row_scale[c]));
+      float uf = mm_round_bf16((float)((d->u[o] + ui * tau * d->ua[o]) * e->w13.row_scale[I + c]));
+      if (clamp > 0) {
+        gf = mm_clamp_gate(gf, clamp);
+        uf = mm_clamp_up(uf, clamp);
+      }
+      const double v = (double)mm_swiglu_weighted(gf, uf, rw) / gpu_scale;
+      for (int vi = -1; vi <= 1; vi++)
+        if (mm_float_to_e4m3((float)(v * (1.0 + vi * 0x1p-20))) == q) return 1;
+    }
+  return 0;
+}
+
+/* Intermediate check: every FP8 code equals the reference's or is explained
+ * by a rounding near-tie (code_explained); block scales within scale_rel. */
+static void check_intermediate(const mm_expert_q *ex, const int *offs, int E, const l1_dots *d,
+                               const float *rw, float clamp, double tau, const uint8_t *gq,
+                               const float *gs, const uint8_t *rq, const float *rs, int I,
+                               const char *what, double scale_rel) {
+  size_t diff = 0, unexplained = 0, n = (size_t)offs[E] * I;
   double smax = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (gq[i] == rq[i]) continue;
-    float a = mm_e4m3_to_float(gq[i]), b = mm_e4m3_to_float(rq[i]);
-    /* adjacent codes of the same sign (or +-0 / smallest subnormal) */
-    int adj = (abs((int)(gq[i] & 0x7F) - (int)(rq[i] & 0x7F)) == 1 && ((gq[i] ^ rq[i]) & 0x80) == 0) ||
-              (fabsf(a) <= 0.001953125f && fabsf(b) <= 0.001953125f);
-    if (adj) flips++;
-    else far++;
+  for (int e = 0; e < E; e++)
+    for (int i = offs[e]; i < offs[e + 1]; i++)
+      for (int c = 0; c < I; c++) {
+        const size_t o = (size_t)i * I + c;
+        if (gq[o] == rq[o]) continue;
+        diff++;
+        if (!code_explained(&ex[e], d, o, c, rw[i], clamp, gs[(size_t)i * (I / 128) + c / 128], tau,
+                            gq[o])) {
+          if (unexplained++ < 3)
+            printf("#   row %d channel %d: gpu code 0x%02x, reference 0x%02x, not a near-tie\n", i, c,
+                   gq[o], rq[o]);
+        }
+      }
+  for (size_t i = 0; i < (size_t)offs[E] * (I / 128); i++) {
+    double r = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
+    if (r > smax) smax = r;
   }
-  for (size_t i = 0; i < (size_t)rows * (I / 128); i++) {
-    double d = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
-    if (d > smax) smax = d;
+  printf("#   %s intermediate: %zu of %zu FP8 codes differ from the reference, %zu not at a "
+         "rounding near-tie (tau %.1e); scale max rel %.2e\n",
+         what, diff, n, unexplained, tau, smax);
+  CHECK_EQ_INT(unexplained, 0);
+  CHECK(smax <= scale_rel);
+}
+
+/* L2 of the reference from a given intermediate (the GPU's): isolates L2. */
+static void ref_l2(const mm_expert_q *e, int m, const uint8_t *aq, const float *as, uint16_t *out) {
+  const int H = e->w2.rows, I = e->w2.cols;
+  double *x = malloc(sizeof(double) * I);
+  for (int i = 0; i < m; i++) {
+    for (int c = 0; c < I; c++)
+      x[c] = (double)mm_e4m3_to_float(aq[(size_t)i * I + c]) * as[(size_t)i * (I / 128) + c / 128];
+    for (int h = 0; h < H; h++) {
+      double acc = 0;
+      for (int c = 0; c < I; c++) acc += x[c] * (double)mm_qmat_weight(&e->w2, h, c);
+      out[(size_t)i * H + h] = mm_float_to_bf16((float)(acc * (double)e->w2.row_scale[h]));
+    }
   }
-  printf("#   %s intermediate: %zu of %zu FP8 codes one step off, %zu further; scale max rel %.2e\n",
-         what, flips, n, far, smax);
-  CHECK(far <= (size_t)(max_far_frac * (double)n));
-  CHECK(flips <= (size_t)(max_flip_frac * (double)n) + 2);
-  CHECK(smax <= max_scale_rel);
+  free(x);
 }
 
 static int g_have_wgmma_fail = 0;
@@ -184,11 +236,19 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   uint8_t *rq = malloc((size_t)M * I + 1), *gq = malloc((size_t)M * I + 1);
   float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
         *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
+  uint16_t *ref2 = malloc(2 * (size_t)M * H);
+  l1_dots dots;
+  const size_t nd = (size_t)M * I + 1;
+  dots.g = malloc(sizeof(double) * nd), dots.u = malloc(sizeof(double) * nd);
+  dots.ga = malloc(sizeof(double) * nd), dots.ua = malloc(sizeof(double) * nd);
   if (mode != MM_WMODE_G16_FP8) /* mode 3 computes with folded weights */
-    for (int e = 0; e < E; e++)
+    for (int e = 0; e < E; e++) {
+      const size_t o = (size_t)offs[e] * I;
+      l1_dots de = {dots.g + o, dots.u + o, dots.ga + o, dots.ua + o};
       ref_intermediate(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
                        rw + offs[e], s->clamp, rq + (size_t)offs[e] * I,
-                       rsc + (size_t)offs[e] * (I / 128));
+                       rsc + (size_t)offs[e] * (I / 128), &de);
+    }
   mm_sm90_layer *L = NULL;
   mm_err *err = mm_sm90_layer_create(ex, E, mode, NULL, &L);
   CHECK_OK(err);
@@ -223,22 +283,26 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK_OK(err);
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
-      /* Mode 1 on FP8 WGMMA (QGMMA): the FP8 tensor cores add with about 14
-       * bits (DeepSeek-V3 sec. 3.3) between the FP32 promotions every 128 K,
-       * relative to the largest partial sum, so after cancellation single L1
-       * outputs are off by up to ~0.5% on random data; the FP8 requant turns
-       * that into one-step code flips and the output lands at a few 1e-3
-       * relative (DeepGEMM's kernels behave the same). Promoting every k32
-       * step only halved it (measured). Exact-sum data pins the decode: there
-       * the intermediate must match bit for bit. CUDA-core path and mode 2
-       * (F16 MMAs, exact products, FP32 accumulation): 1e-3. */
-      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3
-                         : (mode == MM_WMODE_G32_FP8 && path == MM_SM90_PATH_WGMMA && !s->exact)
-                             ? 1e-2
-                             : 1e-3;
+      /* What "within 1e-3 of the reference computed from the same quantized
+       * inputs" means here, in two exact checks and one sanity bound:
+       * 1. L1 + SwiGLU + requant: every FP8 code of the intermediate equals
+       *    the float64 reference's, or differs only at a rounding near-tie
+       *    (code_explained). A single such flip moves the final output of a
+       *    small case by ~1e-3 on its own, so the end-to-end error is not
+       *    the right gauge of L1.
+       * 2. L2: the output within 1e-3 of the reference L2 applied to the
+       *    GPU's own intermediate.
+       * 3. End to end against the full reference: printed, bounded loosely.
+       * tau, the accumulation error allowed in L1 relative to sum |x w|:
+       * FP32 accumulation (CUDA cores, F16 HGMMA) 2^-16; FP8 QGMMA, which
+       * adds with about 14 bits between the FP32 promotions every 128 K
+       * (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum data 0. */
+      const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8;
+      const double tau = s->exact ? 0.0 : qg ? 0x1p-10 : 0x1p-16;
       int nan_rows;
       double rel = rel_frob(got, ref, Mused, H, &nan_rows);
-      printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: rel %.3e (tol %.1e) nan rows %d\n",
+      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3 : 5e-2;
+      printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: end-to-end rel %.3e (bound %.1e) nan rows %d\n",
              (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, Mused,
              (double)s->clamp, s->extreme ? " extreme" : "", rel, tol, nan_rows);
       CHECK(nan_rows == 0);
@@ -246,13 +310,16 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
       if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
         CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
-        /* exact-sum data: L1 is exact on every path (only expf ulps can
-         * flip an FP8 rounding); FP8 WGMMA otherwise carries the tensor-core
-         * accumulation error (see above) */
-        const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8 && !s->exact;
-        check_intermediate(gq, gsc, rq, rsc, Mused, I, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma",
-                           qg ? 1e-3 : 0.0, qg ? 0.02 : (s->exact ? 0.002 : 0.01),
-                           qg ? 2e-2 : 1e-6);
+        check_intermediate(ex, offs, E, &dots, rw, s->clamp, tau, gq, gsc, rq, rsc, I,
+                           path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", qg && !s->exact ? 2e-2 : 1e-6);
+        for (int e = 0; e < E; e++)
+          ref_l2(&ex[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
+                 ref2 + (size_t)offs[e] * H);
+        int nan2;
+        double rel2 = rel_frob(got, ref2, Mused, H, &nan2);
+        printf("#   %s L2 from the GPU's intermediate: rel %.3e (tol 1.0e-03)\n",
+               path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", rel2);
+        CHECK(rel2 <= 1e-3);
       }
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
@@ -279,6 +346,8 @@ done:
   free(gq);
   free(rsc);
   free(gsc);
+  free(ref2);
+  free(dots.g), free(dots.u), free(dots.ga), free(dots.ua);
 }
 
 static const int k_counts_a[] = {5, 0, 70};
