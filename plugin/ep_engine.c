@@ -225,6 +225,13 @@ uint64_t mm_ep_engine_device_bytes(const mm_ep_engine *e) { return e->sz.device_
 uint64_t mm_ep_engine_host_bytes(const mm_ep_engine *e) { return e->sz.host_total; }
 int mm_ep_engine_ll_tokens(const mm_ep_engine *e) { return e->a.ll_tokens; }
 
+void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine) {
+  int64_t d = 0, c = 0;
+  for (int r = 0; r < e->a.ranks; r++) d += e->send_bytes[r], c += e->cs_bytes[r];
+  *dispatch = d;
+  *combine = c;
+}
+
 /* Normal mode: every rank checks every rank's fan-in against its capacity,
  * so all return the same verdict and none is left waiting in a collective. */
 static mm_err *check_matrix(mm_ep_engine *e) {

@@ -56,6 +56,8 @@ uint64_t mm_ep_engine_device_bytes(const mm_ep_engine *e);
 uint64_t mm_ep_engine_host_bytes(const mm_ep_engine *e);
 /* Largest T the low-latency mode takes (0: disabled). */
 int mm_ep_engine_ll_tokens(const mm_ep_engine *e);
+/* Bytes the last step sent (own segment included): dispatch, combine. */
+void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine);
 
 typedef struct mm_ep_step {
   int T;

@@ -165,6 +165,20 @@ static void test_lifecycle_matches_reference(void) {
   CHECK(info.backend && strcmp(info.backend, "cpu-reference") == 0);
   CHECK_EQ_INT(info.num_layers_ready, 2);
   CHECK_EQ_INT(info.gran_k, 16);
+  /* ABI 1.1 phase timings: the cpu-reference backend has none (-1) */
+  CHECK(info.last_dispatch_us == -1 && info.last_compute_us == -1 && info.last_combine_us == -1);
+  CHECK(info.last_dispatch_bytes == -1 && info.last_combine_bytes == -1);
+  /* a 1.0-sized struct is accepted and its tail (past 1.0) left alone */
+  megamoe_op_info_args old;
+  memset(&old, 0x5A, sizeof old);
+  old.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0;
+  old.extension = NULL;
+  old.op = op;
+  CHECK_OK(mmfx_api->get_info(&old));
+  CHECK_EQ_INT(old.num_layers_ready, 2);
+  CHECK(((unsigned char *)&old)[MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE - 1] == 0x5A);
+  old.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0 - 4; /* below 1.0: refused */
+  CHECK_ERR(mmfx_api->get_info(&old), MEGAMOE_CODE_INVALID_ARGUMENT);
   megamoe_op_check_args ck = {MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, NULL, op, NULL, 1};
   CHECK_OK(mmfx_api->check(&ck)); /* the cpu backend reports errors synchronously */
   destroy(op, 1);
