@@ -50,13 +50,22 @@ typedef struct mm_expert_pool {
   const float *row_weight;       /* FP32 [M] top-k weight of each row */
   uint16_t *out;                 /* BF16 [M, H], weighted by row_weight */
 } mm_expert_pool;
+/* Aliasing: `out` is scratch during a compute call. The F16-MMA mode (2)
+ * stages its F16 copy of the pool rows [offsets[0], offsets[E_loc]) there
+ * before L2 overwrites the same rows with the result, so `out` must not
+ * alias x, x_scale, row_weight, the offsets or the workspace, and nothing
+ * else may read or write it until the call's work on the stream is done.
+ * Rows outside [offsets[0], offsets[E_loc]) are never written. The WGMMA path
+ * needs x and out 16-byte aligned. */
 
-/* Workspace bytes needed for a pool of num_rows_max rows (intermediate FP8
- * activations, tile scheduler state). Allocated once at plan time. */
+/* Workspace bytes needed for a pool of num_rows_max rows (token scales,
+ * the intermediate activations and their scales; mm_sm90_workspace_plan).
+ * Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 
 /* Computes every row in [offsets[0], offsets[E_loc]); other rows of `out`
- * are not written. activation_clamp 0 = none. Asynchronous on `stream`;
+ * are not written (`out` is scratch during the call: see mm_expert_pool).
+ * activation_clamp 0 = none. Asynchronous on `stream`;
  * errors are launch/argument errors (kernel faults show at the next sync). */
 mm_err *mm_sm90_expert_compute(const mm_sm90_layer *layer,
                                const mm_expert_pool *pool, float activation_clamp,

@@ -172,26 +172,16 @@ extern "C" mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *L) { return L-
 
 /* ------------------------------------------------------------ workspace ---- */
 
-static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
-
 mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base) {
+  const mm_sm90_ws_plan pl = mm_sm90_workspace_plan(L->mode, L->H, L->I, num_rows_max);
+  uint8_t *b = (uint8_t *)base;
   mm_sm90_ws w;
   memset(&w, 0, sizeof(w));
-  w.Mp = (num_rows_max + 63) / 64 * 64;
-  if (w.Mp == 0) w.Mp = 64;
-  const size_t Mp = (size_t)w.Mp;
-  const int m2 = L->mode == MM_WMODE_G16_BF16_EXACT;
-  size_t off = 0;
-  uint8_t *b = (uint8_t *)base;
-  w.xs_t = (float *)(b ? b + off : NULL);
-  off += align256(sizeof(float) * (size_t)(L->H / 128) * Mp);
-  w.x16 = m2 && b ? (uint16_t *)(b + off) : NULL;
-  if (m2) off += align256(2 * Mp * (size_t)L->H);
-  w.act = b ? b + off : NULL;
-  off += align256((m2 ? 2 : 1) * Mp * (size_t)L->I);
-  w.as_t = (float *)(b ? b + off : NULL);
-  off += align256(sizeof(float) * (size_t)(L->I / 128) * Mp);
-  w.bytes = off;
+  w.Mp = pl.Mp;
+  w.xs_t = b ? (float *)(b + pl.xs_t) : NULL;
+  w.act = b ? b + pl.act : NULL;
+  w.as_t = b ? (float *)(b + pl.as_t) : NULL;
+  w.bytes = pl.bytes;
   return w;
 }
 

@@ -1,7 +1,8 @@
 /* moe_sm90_wgmma.cu -- the WGMMA product path of the sm90 fused expert
  * compute: two persistent, warp-specialized kernels per call (L1 with the
  * SwiGLU + FP8 requant epilogue, L2 with the BF16 epilogue) and a small prep
- * kernel (token scales transposed; mode 2: F16 copy of the activations).
+ * kernel (token scales transposed; mode 2: F16 copy of the activations,
+ * written into the pool's output buffer, which L2 overwrites afterwards).
  *
  * Swap-AB: weights are the WGMMA A operand (64 rows per m64 tile, decoded from
  * packed FP4 straight into A-fragment registers, "RS" form), tokens are N
@@ -663,8 +664,17 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128, sbox = BN + 4;
+  /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
+  MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
+               "sm90 expert compute: pool x and out must be 16-byte aligned");
+  /* F16 modes: the F16 copy of x lives in pool->out (dead until L2 writes
+   * it; moe_compute.h). The map has M rows: a token tile reaching past the
+   * last row reads TMA zero fill. Rows of [0, M) outside the pool hold
+   * whatever the caller left there; they only feed token columns that are
+   * never stored. */
+  uint16_t *x16 = f16 ? pool->out : NULL;
   CUtensorMap b1, s1, b2, s2;
-  if (f16) MM_TRY(make_map(&b1, dt, ws->x16, H, Mp, 2ull * H, box0, BN, true));
+  if (f16) MM_TRY(make_map(&b1, dt, x16, H, M, 2ull * H, box0, BN, true));
   else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, BN, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, sbox, 1,
                   false));
@@ -673,7 +683,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
                   false));
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16><<<2 * sm_count(), 256, 0, st>>>(pool->x, pool->x_scale, pool->expert_offsets,
-                                                   L->E, H, Mp, ws->xs_t, ws->x16);
+                                                   L->E, H, Mp, ws->xs_t, x16);
   MM_CUDA_TRY(cudaGetLastError());
   Params p;
   memset(&p, 0, sizeof(p));

@@ -128,6 +128,40 @@ MM_SM90_HD float mm_sm90_pow2(int e) {
   return v.f;
 }
 
+/* The compute workspace of the sm90 kernels for a pool of num_rows_max rows
+ * (Mp = rows rounded up to 64, at least 64): byte offsets of its arrays,
+ * each 256-aligned. The exact mode's F16 copy of the pool rows is not here:
+ * it lives in the pool's output buffer (moe_compute.h, mm_expert_pool). */
+typedef struct mm_sm90_ws_plan {
+  int Mp;
+  size_t xs_t;  /* FP32 [H/128][Mp] token scales, transposed */
+  size_t act;   /* [Mp][I] intermediate: FP8 (modes 1, 3) or F16 (mode 2) */
+  size_t as_t;  /* FP32 [I/128][Mp] intermediate scales, transposed */
+  size_t bytes; /* total */
+} mm_sm90_ws_plan;
+
+/* Modes whose MMAs run in F16 (F16 activations and intermediate). */
+MM_SM90_HD int mm_sm90_f16_mma(mm_weight_mode mode) { return mode == MM_WMODE_G16_BF16_EXACT; }
+
+MM_SM90_HD size_t mm_sm90_align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, int I,
+                                                  int num_rows_max) {
+  mm_sm90_ws_plan w;
+  w.Mp = (num_rows_max + 63) / 64 * 64;
+  if (w.Mp == 0) w.Mp = 64;
+  const size_t Mp = (size_t)w.Mp;
+  size_t off = 0;
+  w.xs_t = off;
+  off += mm_sm90_align256(sizeof(float) * (size_t)(H / 128) * Mp);
+  w.act = off;
+  off += mm_sm90_align256((mm_sm90_f16_mma(mode) ? 2u : 1u) * Mp * (size_t)I);
+  w.as_t = off;
+  off += mm_sm90_align256(sizeof(float) * (size_t)(I / 128) * Mp);
+  w.bytes = off;
+  return w;
+}
+
 /* Builds the fold table (MM_SM90_LUT_ENTRIES x 8 bytes). */
 void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
 
