@@ -32,7 +32,7 @@ struct mm_sm90_layer {
 struct mm_sm90_ws {
   int Mp;
   float *xs_t;     /* [H/128][Mp] token scales, transposed */
-  uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (mode 2) intermediate */
+  uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (modes 2/4) intermediate */
   float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
   size_t bytes;
 };

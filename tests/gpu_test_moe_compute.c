@@ -1,5 +1,5 @@
 /* gpu_test_moe_compute.c -- the sm90 fused expert compute against the CPU
- * reference (ref_moe.h) on fresh random data: all three weight modes, both
+ * reference (ref_moe.h) on fresh random data: all four weight modes, both
  * implementations (WGMMA product path, CUDA-core path), several pool shapes
  * (M not a multiple of any tile, empty experts, one expert holding every row,
  * E_loc 1..32), an activation clamp, extreme UE8M0 exponents. Outputs and the
@@ -20,13 +20,13 @@ typedef struct {
   const int *counts; /* NULL: random 0..max_rand */
   int max_rand;
   float clamp;
-  int extreme; /* mode 1: wide exponent spread */
+  int extreme; /* modes 1 / 4: wide exponent spread */
   int exact;   /* sums exact in any accumulator: x in {0, +-1}, unit scales */
   int lead;    /* pool rows start at offsets[0] = lead (rows before it: not ours) */
 } shape;
 
 static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme, int exact) {
-  const int gran = mode == MM_WMODE_G32_FP8 ? 32 : 16;
+  const int gran = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G32_F16_EXACT ? 32 : 16;
   mm_qmat *ms[2] = {&x->w13, &x->w2};
   const int rows[2] = {2 * I, H}, cols[2] = {H, I};
   for (int j = 0; j < 2; j++) {
@@ -233,8 +233,9 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * that into one-step code flips and the output lands at a few 1e-3
        * relative (DeepGEMM's kernels behave the same). Promoting every k32
        * step only halved it (measured). Exact-sum data pins the decode: there
-       * the intermediate must match bit for bit. CUDA-core path and mode 2
-       * (F16 MMAs, exact products, FP32 accumulation): 1e-3. */
+       * the intermediate must match bit for bit. CUDA-core path and modes 2
+       * and 4 (F16 MMAs, exact products, FP32 accumulation): 1e-3; mode 4
+       * is mode 1's weights on the F16 path, its fix. */
       const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3
                          : (mode == MM_WMODE_G32_FP8 && path == MM_SM90_PATH_WGMMA && !s->exact)
                              ? 1e-2
@@ -314,9 +315,14 @@ static void test_mode(mm_weight_mode mode) {
 static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
 static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
+static void test_mode4_g32_f16_exact(void) { test_mode(MM_WMODE_G32_F16_EXACT); }
 static void test_mode1_extreme_exponents(void) {
   const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
   run_case(MM_WMODE_G32_FP8, &s);
+}
+static void test_mode4_extreme_exponents(void) {
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
+  run_case(MM_WMODE_G32_F16_EXACT, &s);
 }
 
 /* Decode pinned down: x in {0, +-1}, unit group scales, so every L1 sum is
@@ -327,6 +333,8 @@ static void test_exact_sums(void) {
   const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s2);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s2);
 }
 
 static void test_bad_args(void) {
@@ -338,6 +346,14 @@ static void test_bad_args(void) {
   CHECK_ERR(mm_sm90_layer_create(&ex, 1, MM_WMODE_G16_BF16_EXACT, NULL, &L),
             MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK(L == NULL);
+  mm_expert_q e16;
+  memset(&e16, 0, sizeof(e16));
+  make_expert(&e16, 256, 128, MM_WMODE_G16_BF16_EXACT, 0, 0);
+  CHECK_ERR(mm_sm90_layer_create(&e16, 1, MM_WMODE_G32_F16_EXACT, NULL, &L),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK(L == NULL);
+  mm_qmat_free(&e16.w13);
+  mm_qmat_free(&e16.w2);
   CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
   if (L) {
     mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL};
@@ -355,7 +371,9 @@ int main(void) {
   RUN(test_mode1_g32);
   RUN(test_mode2_g16_exact);
   RUN(test_mode3_g16_fp8);
+  RUN(test_mode4_g32_f16_exact);
   RUN(test_mode1_extreme_exponents);
+  RUN(test_mode4_extreme_exponents);
   RUN(test_exact_sums);
   return mm_test_done();
 }

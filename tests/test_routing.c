@@ -308,7 +308,7 @@ static void test_sizing(void) {
   mm_ep_size_args a = glm5(8, 4096);
   mm_ep_sizes s;
   CHECK_OK(mm_ep_size(&a, &s));
-  for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G16_FP8; mode++) {
+  for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G32_F16_EXACT; mode++) {
     a.workspace_bytes = sm90_ws((mm_weight_mode)mode, a.hidden, a.intermediate, s.pool_rows);
     mm_ep_sizes sm;
     CHECK_OK(mm_ep_size(&a, &sm));
@@ -326,7 +326,7 @@ static void test_sizing(void) {
       const int H = shapes[k][0], I = shapes[k][1];
       const int64_t est = mm_ep_workspace_estimate(rows[i], H, I);
       int64_t most = 0;
-      for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G16_FP8; mode++) {
+      for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G32_F16_EXACT; mode++) {
         const int64_t need = sm90_ws((mm_weight_mode)mode, H, I, rows[i]);
         CHECK_MSG(est >= need, "rows %lld H %d I %d mode %d: estimate %lld < %lld",
                   (long long)rows[i], H, I, mode, (long long)est, (long long)need);
@@ -359,7 +359,7 @@ static void print_table(void) {
         }
         printf("| %d | %d | %d | %lld | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.3f | %.1f |\n",
                Rs[i], Ts[j], a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
-               m2 ? "2 (g16 exact)" : "1 / 3 (fp8)", s.workspace / 1048576.0, s.region_x / 1048576.0,
+               m2 ? "2 / 4 (exact, F16)" : "1 / 3 (fp8)", s.workspace / 1048576.0, s.region_x / 1048576.0,
                s.region_y / 1048576.0, s.meta / 1048576.0, s.device_total / 1073741824.0,
                s.host_total / 1024.0);
       }
