@@ -552,8 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 2; j++) {
           /* channel within the 128-block = L2's K column, stored at its
            * mm_sm90_kperm position (mode 4; identity otherwise) */
-          const int lch = 32 * (2 * c + j) +
-                          (MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g);
+          const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
+          const int lch = 32 * (2 * c + j) + lc;
           const uint8_t q8 = f32_to_e4m3(av[j][k] * inv);
           if (C::kF16)
             ((uint16_t *)stg)[col * 128 + lch] =
@@ -716,8 +716,8 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, sbox, 1,
                   false));
   /* maps first: the prep kernel then runs back to back with L1 */
-  prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(pool->x, pool->x_scale, pool->expert_offsets,
-                                                   L->E, H, Mp, ws->xs_t, x16);
+  prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
+      pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
   MM_CUDA_TRY(cudaGetLastError());
   Params p;
   memset(&p, 0, sizeof(p));

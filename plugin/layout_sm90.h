@@ -79,12 +79,13 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
  * bit of the sign. Thread t = 32w + 4g + q of the warpgroup owns rows
  * 16w+g and 16w+g+8 (A fragment rows) and 8 words: word u at
  * (u/4)*2048 + t*16 + (u%4)*4.
- *  FP8 modes (k32 step s = kk/32): u = 2s + (row is the +8 one); the word
- *    holds k = 4q+b (+16 for the high half h); element b of the low half:
- *    magnitude at 4b, sign at 8b+7; of the high half: 16+4b, sign 8b+3
+ *  FP8 modes and mode 4 (k32 step s = kk/32): u = 2s + (row is the +8
+ *    one); the word holds k = 4q+b (+16 for the high half h); element b
+ *    of the low half: magnitude at 4b, sign at 8b+7; of the high half:
+ *    16+4b, sign 8b+3
  *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
  *    w >> 16 with (w << 4) & 0x80808080).
- *  16-bit mode (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
+ *  mode 2 (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
  *    n = o + 4*hh holds k = 2q + hh + 8*jh of step s, o = 2*(s%2) + jh
  *    (standard nibble: magnitude at 4n, sign at 4n+3). */
 MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
