@@ -33,11 +33,6 @@ int mm_cuda_device_count(void) {
   return n;
 }
 
-mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode) {
-  if (gran == 32) return MM_WMODE_G32_FP8;
-  return mode == MM_COMPUTE_FP8 ? MM_WMODE_G16_FP8 : MM_WMODE_G16_BF16_EXACT;
-}
-
 static mm_err *cuda_err(cudaError_t ce, const char *what) {
   if (ce == cudaSuccess) return NULL;
   return mm_error(MEGAMOE_CODE_INTERNAL, "%s: %s", what, cudaGetErrorString(ce));

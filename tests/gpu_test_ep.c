@@ -219,6 +219,7 @@ static void test_engine_graph_replay(void) {
 static const layer_shape kLayers[] = {
     {256, 256, 16, 4, 32, MM_COMPUTE_AUTO},
     {256, 128, 8, 8, 16, MM_COMPUTE_BF16_EXACT},
+    {256, 128, 8, 8, 32, MM_COMPUTE_BF16_EXACT},
 };
 
 static void test_backend_vs_reference(void) {
@@ -257,10 +258,12 @@ static void test_backend_vs_reference(void) {
         reference(s, ex, T, x, ids, w, want);
         double rel = rel_frob(got, want, (size_t)T * s->H);
         size_t d = count_diff(got, want, (size_t)T * s->H);
-        printf("# backend %s gran %d H %d I %d E %d k %d T %d: rel %.2e, %zu of %d bf16 differ\n",
-               dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency", s->gran, s->H, s->I, s->E, s->K,
-               T, rel, d, T * s->H);
-        CHECK(rel <= backend_tolerance(s->gran));
+        printf("# backend %s gran %d %s H %d I %d E %d k %d T %d: rel %.2e (tol %.0e), %zu of %d "
+               "bf16 differ\n",
+               dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency", s->gran,
+               mm_compute_mode_name(s->cm), s->H, s->I, s->E, s->K, T, rel,
+               backend_tolerance(s->gran, s->cm), d, T * s->H);
+        CHECK(rel <= backend_tolerance(s->gran, s->cm));
         /* run to run: the same bits */
         memcpy(first, got, (size_t)T * s->H * 2);
         CHECK(cudaMemset(io.d_out, 0xFF, (size_t)T * s->H * 2) == 0);
@@ -286,7 +289,7 @@ static void test_backend_vs_reference(void) {
       CHECK_OK(mm_cuda_check(op, NULL, 1));
       CHECK(cudaMemcpy(got, io.d_out, (size_t)T * s->H * 2, cudaMemcpyDeviceToHost) == 0);
       reference(s, ex, T, x, ids, w, want);
-      CHECK(rel_frob(got, want, (size_t)T * s->H) <= backend_tolerance(s->gran));
+      CHECK(rel_frob(got, want, (size_t)T * s->H) <= backend_tolerance(s->gran, s->cm));
       CHECK(op->state != MM_OP_FATAL);
       free_op(op);
     }
@@ -367,7 +370,7 @@ static void nan_inf_case(const layer_shape *s, const mm_expert_q *ex, mm_dispatc
   CHECK(cudaMemcpy(clean, io.d_out, n * 2, cudaMemcpyDeviceToHost) == 0);
   reference_clamped(s, ex, T, xc, ids, wc, clamp, want);
   double rel = rel_frob(clean, want, n);
-  CHECK_MSG(rel <= backend_tolerance(s->gran), "%s: clean batch rel %.2e vs reference", what, rel);
+  CHECK_MSG(rel <= backend_tolerance(s->gran, s->cm), "%s: clean batch rel %.2e vs reference", what, rel);
   /* poisoned batch, twice */
   CHECK(io_upload(&io, x, ids, w) == 0);
   CHECK_OK(op_run(op, &io, NULL));
@@ -414,7 +417,7 @@ static void nan_inf_case(const layer_shape *s, const mm_expert_q *ex, mm_dispatc
   rel = rel_frob(got, want, n);
   printf("# %s: poisoned rows all NaN %s, other rows bit-identical %s, rel %.2e vs reference\n",
          what, bad_nan ? "NO" : "yes", bad_other ? "NO" : "yes", rel);
-  CHECK(rel <= backend_tolerance(s->gran));
+  CHECK(rel <= backend_tolerance(s->gran, s->cm));
   /* still fine afterwards */
   CHECK(io_upload(&io, xc, ids, wc) == 0);
   CHECK_OK(op_run(op, &io, NULL));
@@ -503,7 +506,7 @@ static void test_backend_graph_replay(void) {
     reference(s, ex, T, x, ids, w, want);
     double rel = rel_frob(replay, want, n);
     printf("# graph replay %d: rel %.2e vs reference\n", it, rel);
-    CHECK(rel <= backend_tolerance(s->gran));
+    CHECK(rel <= backend_tolerance(s->gran, s->cm));
   }
   CHECK_OK(mm_cuda_check(op, st, 1));
   if (exec) cudaGraphExecDestroy(exec);

@@ -1,5 +1,5 @@
 /* gpu_test_moe_compute.c -- the sm90 fused expert compute against the CPU
- * reference (ref_moe.h) on fresh random data: all three weight modes, both
+ * reference (ref_moe.h) on fresh random data: all four weight modes, both
  * implementations (WGMMA product path, CUDA-core path), several pool shapes
  * (M not a multiple of any tile, empty experts, one expert holding every row,
  * E_loc 1..32), an activation clamp, extreme UE8M0 exponents. Outputs and the
@@ -20,12 +20,13 @@ typedef struct {
   const int *counts; /* NULL: random 0..max_rand */
   int max_rand;
   float clamp;
-  int extreme; /* mode 1: wide exponent spread */
+  int extreme; /* modes 1 / 4: wide exponent spread */
   int exact;   /* sums exact in any accumulator: x in {0, +-1}, unit scales */
+  int lead;    /* pool rows start at offsets[0] = lead (rows before it: not ours) */
 } shape;
 
 static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme, int exact) {
-  const int gran = mode == MM_WMODE_G32_FP8 ? 32 : 16;
+  const int gran = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G32_F16_EXACT ? 32 : 16;
   mm_qmat *ms[2] = {&x->w13, &x->w2};
   const int rows[2] = {2 * I, H}, cols[2] = {H, I};
   for (int j = 0; j < 2; j++) {
@@ -200,12 +201,14 @@ static int g_have_wgmma_fail = 0;
 static void run_case(mm_weight_mode mode, const shape *s) {
   const int H = s->H, I = s->I, E = s->E;
   int counts[64], offs[65];
-  offs[0] = 0;
+  offs[0] = s->lead;
   for (int e = 0; e < E; e++) {
     counts[e] = s->counts ? s->counts[e] : (int)(mm_test_rand_u64() % (uint64_t)(s->max_rand + 1));
     offs[e + 1] = offs[e] + counts[e];
   }
-  const int Mused = offs[E], M = Mused + 3; /* capacity beyond the pool */
+  /* rows [0, lead) and [Mused, M): capacity outside the pool, must stay poisoned
+   * (mode 2 stages its F16 copy of x in out) */
+  const int lead = s->lead, Mused = offs[E], M = Mused + 3;
   const int KB = H / 128;
   mm_expert_q *ex = calloc((size_t)E, sizeof(*ex));
   for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, s->extreme, s->exact);
@@ -294,20 +297,26 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        *    GPU's own intermediate.
        * 3. End to end against the full reference: printed, bounded loosely.
        * tau, the accumulation error allowed in L1 relative to sum |x w|:
-       * FP32 accumulation (CUDA cores, F16 HGMMA) 2^-16; FP8 QGMMA, which
-       * adds with about 14 bits between the FP32 promotions every 128 K
-       * (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum data 0. */
+       * FP32 accumulation (CUDA cores; F16 HGMMA: modes 2 and 4) 2^-16; FP8
+       * QGMMA (mode 1), which adds with about 14 bits between the FP32
+       * promotions every 128 K (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum
+       * data 0. */
       const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8;
       const double tau = s->exact ? 0.0 : qg ? 0x1p-10 : 0x1p-16;
-      int nan_rows;
-      double rel = rel_frob(got, ref, Mused, H, &nan_rows);
       const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3 : 5e-2;
-      printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: end-to-end rel %.3e (bound %.1e) nan rows %d\n",
-             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, Mused,
+      int nan_rows;
+      double rel = rel_frob(got + (size_t)lead * H, ref + (size_t)lead * H, Mused - lead, H,
+                            &nan_rows);
+      printf("# mode %d %s H %d I %d E %d M %d (rows %d..%d) clamp %g%s: end-to-end rel %.3e "
+             "(bound %.1e) nan rows %d\n",
+             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, M, lead, Mused,
              (double)s->clamp, s->extreme ? " extreme" : "", rel, tol, nan_rows);
       CHECK(nan_rows == 0);
       CHECK(rel <= tol);
-      for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
+      size_t touched = 0; /* outside the pool: still the poison */
+      for (int i = 0; i < M; i++)
+        for (int c = 0; (i < lead || i >= Mused) && c < H; c++) touched += got[(size_t)i * H + c] != 0xFFFF;
+      CHECK_MSG(touched == 0, "%zu values outside the pool rows were written", touched);
       if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
         CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
         check_intermediate(ex, offs, E, &dots, rw, s->clamp, tau, gq, gsc, rq, rsc, I,
@@ -316,7 +325,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
           ref_l2(&ex[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
                  ref2 + (size_t)offs[e] * H);
         int nan2;
-        double rel2 = rel_frob(got, ref2, Mused, H, &nan2);
+        double rel2 = rel_frob(got + (size_t)lead * H, ref2 + (size_t)lead * H, Mused - lead, H, &nan2);
         printf("#   %s L2 from the GPU's intermediate: rel %.3e (tol 1.0e-03)\n",
                path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", rel2);
         CHECK(rel2 <= 1e-3);
@@ -356,35 +365,43 @@ static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
 
 static const shape k_shapes[] = {
-    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0},
-    {512, 256, 1, k_counts_one, 0, 0.0f, 0, 0},
-    {256, 128, 4, k_counts_all, 0, 3.0f, 0, 0},
-    {256, 128, 32, NULL, 9, 0.0f, 0, 0},
-    {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0},
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
+    {512, 256, 1, k_counts_one, 0, 0.0f, 0, 0, 0},
+    {256, 128, 4, k_counts_all, 0, 3.0f, 0, 0, 0},
+    {256, 128, 32, NULL, 9, 0.0f, 0, 0, 0},
+    {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0, 0},
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 37},
 };
 
 static void test_mode(mm_weight_mode mode) {
   /* MEGAMOE_TEST_QUICK (sanitizer runs): two shapes per mode */
   const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
-    if (!quick || i == 0 || i == 3) run_case(mode, &k_shapes[i]);
+    if (!quick || i == 0 || i == 3 || i == 5) run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
 static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
+static void test_mode4_g32_f16_exact(void) { test_mode(MM_WMODE_G32_F16_EXACT); }
 static void test_mode1_extreme_exponents(void) {
-  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0};
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
   run_case(MM_WMODE_G32_FP8, &s);
+}
+static void test_mode4_extreme_exponents(void) {
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
+  run_case(MM_WMODE_G32_F16_EXACT, &s);
 }
 
 /* Decode pinned down: x in {0, +-1}, unit group scales, so every L1 sum is
  * exact in any accumulator; the intermediate must match bit for bit. */
 static void test_exact_sums(void) {
-  const shape s1 = {512, 256, 2, k_counts_a, 0, 0.0f, 0, 1};
+  const shape s1 = {512, 256, 2, k_counts_a, 0, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s1);
-  const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1};
+  const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s2);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s2);
 }
 
 static void test_bad_args(void) {
@@ -396,6 +413,14 @@ static void test_bad_args(void) {
   CHECK_ERR(mm_sm90_layer_create(&ex, 1, MM_WMODE_G16_BF16_EXACT, NULL, &L),
             MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK(L == NULL);
+  mm_expert_q e16;
+  memset(&e16, 0, sizeof(e16));
+  make_expert(&e16, 256, 128, MM_WMODE_G16_BF16_EXACT, 0, 0);
+  CHECK_ERR(mm_sm90_layer_create(&e16, 1, MM_WMODE_G32_F16_EXACT, NULL, &L),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK(L == NULL);
+  mm_qmat_free(&e16.w13);
+  mm_qmat_free(&e16.w2);
   CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
   if (L) {
     mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL};
@@ -413,7 +438,9 @@ int main(void) {
   RUN(test_mode1_g32);
   RUN(test_mode2_g16_exact);
   RUN(test_mode3_g16_fp8);
+  RUN(test_mode4_g32_f16_exact);
   RUN(test_mode1_extreme_exponents);
+  RUN(test_mode4_extreme_exponents);
   RUN(test_exact_sums);
   return mm_test_done();
 }
