@@ -91,7 +91,7 @@ extern "C" {
 #endif
 
 #define MEGAMOE_ABI_MAJOR 1
-#define MEGAMOE_ABI_MINOR 0
+#define MEGAMOE_ABI_MINOR 1
 
 #if defined(__GNUC__) || defined(__clang__)
 #define MEGAMOE_EXPORT __attribute__((visibility("default")))
@@ -392,9 +392,20 @@ typedef struct megamoe_op_info_args {
   int32_t gran_k;           /* resolved: 16 or 32 (0 before the first prepare) */
   int32_t num_layers_ready; /* layers with prepared weights */
   int32_t planned_tokens;   /* 0 before plan */
+  /* 1.1: the phases of this op's last eager execute, timed on the device
+   * (-1 where unknown: the cpu-reference backend, no eager execute yet, or
+   * its work still in flight; get_info never waits; CUDA graph replays do
+   * not count). Bytes are what this rank sent, its own segment included. */
+  double last_dispatch_us;
+  double last_compute_us;
+  double last_combine_us;
+  int64_t last_dispatch_bytes;
+  int64_t last_combine_bytes;
 } megamoe_op_info_args;
-#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE \
+#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0 \
   MEGAMOE_STRUCT_SIZE(megamoe_op_info_args, planned_tokens)
+#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE \
+  MEGAMOE_STRUCT_SIZE(megamoe_op_info_args, last_combine_bytes)
 
 /*
  * The op table. Static storage in the plugin; valid until unload.

@@ -32,6 +32,44 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* Device-timed phases of the last layer's execute (ABI 1.1 get_info). */
+typedef struct {
+  double d_us, x_us, c_us;
+  int64_t d_bytes, c_bytes;
+} step_phases;
+
+static int read_phases(megamoe_op *op, step_phases *p) {
+  megamoe_op_info_args info;
+  memset(&info, 0, sizeof info);
+  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
+  info.op = op;
+  info.last_dispatch_us = -1; /* an ABI 1.0 plugin leaves it */
+  megamoe_error *e = g_api->get_info(&info);
+  if (e) {
+    megamoe_error_destroy(e);
+    return 0;
+  }
+  if (info.last_dispatch_us < 0) return 0;
+  *p = (step_phases){info.last_dispatch_us, info.last_compute_us, info.last_combine_us,
+                     info.last_dispatch_bytes, info.last_combine_bytes};
+  return 1;
+}
+
+/* Median of each phase over the timed iterations, one line per rank. */
+static void print_phases(int rank, int T, const step_phases *p, int n) {
+  if (n <= 0) return;
+  double v[3][1024];
+  for (int i = 0; i < n; i++) v[0][i] = p[i].d_us, v[1][i] = p[i].x_us, v[2][i] = p[i].c_us;
+  for (int k = 0; k < 3; k++) qsort(v[k], (size_t)n, sizeof(double), cmp_double);
+  const double d = v[0][n / 2], x = v[1][n / 2], c = v[2][n / 2];
+  const double db = (double)p[n - 1].d_bytes, cb = (double)p[n - 1].c_bytes;
+  fprintf(stderr,
+          "megamoe-host: rank %d T%d phases (median of %d): dispatch %.1f us (%.2f MB, %.1f GB/s), "
+          "compute %.1f us, combine %.1f us (%.2f MB, %.1f GB/s)\n",
+          rank, T, n, d, db / 1e6, d > 0 ? db / (d * 1e3) : 0.0, x, c, cb / 1e6,
+          c > 0 ? cb / (c * 1e3) : 0.0);
+}
+
 /* The DLPack type of a safetensors dtype, faithfully: a dtype the plugin
  * does not take must reach it as what it is (and be refused by name), never
  * relabelled as bytes; F4 is 4 bits per element (the shape counts elements). */
@@ -364,6 +402,8 @@ void rank_main(void *arg) {
     }
     double times[1024];
     int iters = opt.iters < 1024 ? opt.iters : 1024;
+    step_phases ph[1024];
+    int nph = 0;
     for (int it = -opt.warmup; it < iters; it++) {
       if (g_group->sync()) goto fail; /* ranks execute together, as in serving */
       double s = now_s();
@@ -371,6 +411,7 @@ void rank_main(void *arg) {
         if (report(run_execute(w, op, l, T, dh, di, dw, dout), "execute")) goto fail;
       if (device_sync(w->device)) goto fail;
       if (it >= 0) times[it] = (now_s() - s) / w->num_layers;
+      if (it >= 0 && read_phases(op, &ph[nph])) nph++;
       if (it == -opt.warmup && ti == 0) {
         /* keep layer-0 output of the first size for the reference check */
         if (report(run_execute(w, op, 0, T, dh, di, dw, dout), "execute")) goto fail;
@@ -382,6 +423,7 @@ void rank_main(void *arg) {
     }
     qsort(times, (size_t)iters, sizeof(double), cmp_double);
     w->median_ms[ti] = iters ? times[iters / 2] * 1e3 : 0;
+    print_phases(w->rank, T, ph, nph);
     dev_free(w->device, dh);
     dev_free(w->device, di);
     dev_free(w->device, dw);

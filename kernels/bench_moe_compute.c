@@ -9,7 +9,10 @@
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
  *     [--profile-only]
- * --requant: a gran-16 checkpoint requantized to gran 32 (runs mode 1);
+ * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
+ * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
+ * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
+ * --requant: a gran-16 checkpoint requantized to gran 32 (mode 1 or 4);
  * --profile-only: only the expert compute (for ncu / nsys), no baselines. */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -138,12 +141,17 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  const mm_weight_mode mode = (gran == 32 || requant) ? MM_WMODE_G32_FP8
-                              : bf16_exact            ? MM_WMODE_G16_BF16_EXACT
-                                                      : MM_WMODE_G16_FP8;
-  const char *mode_name = mode == MM_WMODE_G32_FP8 ? (requant ? "g16->g32 requant, fp8" : "g32 fp8")
-                          : mode == MM_WMODE_G16_BF16_EXACT ? "g16 bf16-exact (F16 HGMMA)"
-                                                            : "g16 fp8 (folded, lossy)";
+  /* the backend's choice (mm_cuda_weight_mode); --requant lands on gran 32 */
+  const int g32 = gran == 32 || requant;
+  const mm_weight_mode mode = g32 ? (bf16_exact ? MM_WMODE_G32_F16_EXACT : MM_WMODE_G32_FP8)
+                              : bf16_exact ? MM_WMODE_G16_BF16_EXACT
+                                           : MM_WMODE_G16_FP8;
+  const char *mode_name =
+      mode == MM_WMODE_G32_FP8         ? (requant ? "g16->g32 requant, fp8" : "g32 fp8")
+      : mode == MM_WMODE_G32_F16_EXACT ? (requant ? "g16->g32 requant, bf16-exact (F16 HGMMA)"
+                                                  : "g32 bf16-exact (F16 HGMMA)")
+      : mode == MM_WMODE_G16_BF16_EXACT ? "g16 bf16-exact (F16 HGMMA)"
+                                        : "g16 fp8 (folded, lossy)";
   int dev = 0;
   CK(cudaSetDevice(dev));
   struct cudaDeviceProp prop;

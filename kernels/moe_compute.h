@@ -5,9 +5,10 @@
  * Two implementations of one contract: the product path (warp-specialized
  * WGMMA kernels, kernels/moe_sm90_wgmma.cu) and a plain CUDA-core path
  * (kernels/moe_sm90.cu) kept for debugging and as a second opinion. Both
- * follow ref_moe.h's rounding order. Mode 2 runs its MMAs in F16 instead of
- * BF16: e2m1 * E4M3 scale and E4M3 activations are exact in both, F16 has the
- * same HGMMA rate and an exact E4M3 -> F16 convert.
+ * follow ref_moe.h's rounding order. The exact modes (2: gran 16, 4: gran 32)
+ * run their MMAs in F16 instead of BF16: their decoded weights and the E4M3
+ * activations are exact in both, F16 has the same HGMMA rate and an exact
+ * E4M3 -> F16 convert.
  */
 #ifndef MM_MOE_COMPUTE_H
 #define MM_MOE_COMPUTE_H
@@ -23,8 +24,8 @@
 extern "C" {
 #endif
 
-/* mm_weight_mode (1 g32-fp8, 2 g16-bf16-exact, 3 g16-fp8) and the layout
- * itself: plugin/layout_sm90.h. */
+/* mm_weight_mode (1 g32-fp8, 2 g16-bf16-exact, 3 g16-fp8, 4 g32-f16-exact)
+ * and the layout itself: plugin/layout_sm90.h. */
 
 /* Prepared weights of the E_loc local experts of one layer on one device, in
  * the sm90 kernel layout (docs/LAYOUTS.md). Opaque to callers. */
@@ -50,13 +51,22 @@ typedef struct mm_expert_pool {
   const float *row_weight;       /* FP32 [M] top-k weight of each row */
   uint16_t *out;                 /* BF16 [M, H], weighted by row_weight */
 } mm_expert_pool;
+/* Aliasing: `out` is scratch during a compute call. The F16-MMA modes (2, 4)
+ * stage their F16 copy of the pool rows [offsets[0], offsets[E_loc]) there
+ * before L2 overwrites the same rows with the result, so `out` must not
+ * alias x, x_scale, row_weight, the offsets or the workspace, and nothing
+ * else may read or write it until the call's work on the stream is done.
+ * Rows outside [offsets[0], offsets[E_loc]) are never written. The WGMMA path
+ * needs x and out 16-byte aligned. */
 
-/* Workspace bytes needed for a pool of num_rows_max rows (intermediate FP8
- * activations, tile scheduler state). Allocated once at plan time. */
+/* Workspace bytes needed for a pool of num_rows_max rows (token scales,
+ * the intermediate activations and their scales; mm_sm90_workspace_plan).
+ * Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 
 /* Computes every row in [offsets[0], offsets[E_loc]); other rows of `out`
- * are not written. activation_clamp 0 = none. Asynchronous on `stream`;
+ * are not written (`out` is scratch during the call: see mm_expert_pool).
+ * activation_clamp 0 = none. Asynchronous on `stream`;
  * errors are launch/argument errors (kernel faults show at the next sync). */
 mm_err *mm_sm90_expert_compute(const mm_sm90_layer *layer,
                                const mm_expert_pool *pool, float activation_clamp,

@@ -172,26 +172,16 @@ extern "C" mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *L) { return L-
 
 /* ------------------------------------------------------------ workspace ---- */
 
-static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
-
 mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base) {
+  const mm_sm90_ws_plan pl = mm_sm90_workspace_plan(L->mode, L->H, L->I, num_rows_max);
+  uint8_t *b = (uint8_t *)base;
   mm_sm90_ws w;
   memset(&w, 0, sizeof(w));
-  w.Mp = (num_rows_max + 63) / 64 * 64;
-  if (w.Mp == 0) w.Mp = 64;
-  const size_t Mp = (size_t)w.Mp;
-  const int m2 = L->mode == MM_WMODE_G16_BF16_EXACT;
-  size_t off = 0;
-  uint8_t *b = (uint8_t *)base;
-  w.xs_t = (float *)(b ? b + off : NULL);
-  off += align256(sizeof(float) * (size_t)(L->H / 128) * Mp);
-  w.x16 = m2 && b ? (uint16_t *)(b + off) : NULL;
-  if (m2) off += align256(2 * Mp * (size_t)L->H);
-  w.act = b ? b + off : NULL;
-  off += align256((m2 ? 2 : 1) * Mp * (size_t)L->I);
-  w.as_t = (float *)(b ? b + off : NULL);
-  off += align256(sizeof(float) * (size_t)(L->I / 128) * Mp);
-  w.bytes = off;
+  w.Mp = pl.Mp;
+  w.xs_t = b ? (float *)(b + pl.xs_t) : NULL;
+  w.act = b ? b + pl.act : NULL;
+  w.as_t = b ? (float *)(b + pl.as_t) : NULL;
+  w.bytes = pl.bytes;
   return w;
 }
 
@@ -238,7 +228,7 @@ extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_ro
   MM_ARG_CHECK(rows >= 0 && rows <= num_rows_max, "debug intermediate: %d rows of %d", rows,
                num_rows_max);
   const int I = L->I, KB = I / 128;
-  const int m2 = L->mode == MM_WMODE_G16_BF16_EXACT;
+  const int m2 = mm_sm90_f16_mma(L->mode);
   const size_t n = (size_t)rows * I;
   uint16_t *h = m2 ? (uint16_t *)malloc(2 * n + 2) : NULL;
   float *st = (float *)malloc(sizeof(float) * ((size_t)KB * w.Mp + 1));
@@ -252,7 +242,9 @@ extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_ro
   if (ce == cudaSuccess)
     ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
   if (ce == cudaSuccess) {
-    for (size_t i = 0; m2 && i < n; i++) act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(h[i])));
+    for (size_t i = 0; m2 && i < n; i++) /* back to column order (mode 4: mm_sm90_kperm) */
+      act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(
+          h[i / I * I + (size_t)mm_sm90_kperm_pos(L->mode, (int)(i % I))])));
     for (int r = 0; r < rows; r++)
       for (int b = 0; b < KB; b++) scales[(size_t)r * KB + b] = st[(size_t)b * w.Mp + r];
   }
@@ -343,8 +335,8 @@ __global__ void __launch_bounds__(128) simt_l1(mm_sm90_layer L, mm_expert_pool P
   const float *rs = L.d_rs13 + (size_t)e * (size_t)(2 * I);
   float g = round_bf16(fg * rs[rg]), u = round_bf16(fu * rs[ru]);
   if (clamp > 0.0f) {
-    g = fminf(g, clamp);
-    u = fminf(fmaxf(u, -clamp), clamp);
+    g = mm_clamp_gate(g, clamp); /* keeps NaN, unlike fminf */
+    u = mm_clamp_up(u, clamp);
   }
   const float s = g / (1.0f + expf(-g));
   const float a = (s * u) * P.row_weight[row];
@@ -356,9 +348,9 @@ __global__ void __launch_bounds__(128) simt_l1(mm_sm90_layer L, mm_expert_pool P
   float amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
   amax = fmaxf(amax, 1e-4f);
   const uint8_t q = f32_to_e4m3(a * (448.0f / amax));
-  if (L.mode == MM_WMODE_G16_BF16_EXACT) {
+  if (mm_sm90_f16_mma(L.mode)) { /* mode 4: in the F16 K order of its L2 (mm_sm90_kperm) */
     __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
-    ((uint16_t *)W.act)[(size_t)row * I + ch] = h.x;
+    ((uint16_t *)W.act)[(size_t)row * I + mm_sm90_kperm_pos(L.mode, ch)] = h.x;
   } else {
     W.act[(size_t)row * I + ch] = q;
   }
@@ -373,13 +365,13 @@ __global__ void __launch_bounds__(128) simt_l2(mm_sm90_layer L, mm_expert_pool P
   const int H = L.H, I = L.I, KB = I / 128;
   const int n = blockIdx.y * 128 + threadIdx.x;
   const uint8_t *w2 = L.d_w + (size_t)e * L.expert_bytes + L.w13_bytes;
-  const int m2 = L.mode == MM_WMODE_G16_BF16_EXACT;
+  const int m2 = mm_sm90_f16_mma(L.mode);
   float f = 0.0f;
   for (int kb = 0; kb < KB; kb++) {
     float acc = 0.0f, ref = 1.0f;
     for (int kk = 0; kk < 128; kk++) {
       const int k = kb * 128 + kk;
-      acc = fmaf(act_value(W.act, m2, (size_t)row * I + k),
+      acc = fmaf(act_value(W.act, m2, (size_t)row * I + mm_sm90_kperm_pos(L.mode, k)),
                  simt_weight(w2, L.mode, KB, L.rec, L.d_lut, n, k, &ref), acc);
     }
     f = fmaf(acc, W.as_t[(size_t)kb * W.Mp + row] * ref, f);
@@ -410,7 +402,7 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
 /* Valid random records: random codes, scale bytes / fold indices of the
  * mode's usual range, reference exponents that keep outputs O(1). */
 __global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, uint64_t seed) {
-  const int G = mode == 1 ? 4 : 8;
+  const int G = mode == 1 || mode == 4 ? 4 : 8;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < bytes / 2;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t b = 2 * i, off = b % rec;
@@ -420,7 +412,7 @@ __global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, u
       v0 = (uint8_t)r;
       v1 = (uint8_t)(r >> 8);
     } else if (off < 4096 + 64u * (size_t)G) {
-      if (mode == 1) {
+      if (G == 4) { /* modes 1, 4 */
         v0 = (uint8_t)MM_SM90_LUT_INDEX(4 + (int)(r % 3), 0);
         v1 = (uint8_t)MM_SM90_LUT_INDEX(4 + (int)((r >> 8) % 3), 0);
       } else if (mode == 2) {

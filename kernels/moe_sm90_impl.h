@@ -25,12 +25,14 @@ struct mm_sm90_layer {
   double fold_rel;     /* mode 3 relative Frobenius fold error */
 };
 
-/* Workspace carve-up for Mp = num_rows_max rounded up to 64 rows. */
+/* Workspace carve-up for Mp = num_rows_max rounded up to 64 rows
+ * (mm_sm90_workspace_plan in layout_sm90.h). The F16 copy of the pool rows
+ * of the F16-MMA modes is not in it: the WGMMA path stages it in pool->out,
+ * which is dead until L2 writes it (moe_compute.h). */
 struct mm_sm90_ws {
   int Mp;
   float *xs_t;     /* [H/128][Mp] token scales, transposed */
-  uint16_t *x16;   /* [Mp][H] F16 copy of x (mode 2), else NULL */
-  uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (mode 2) intermediate */
+  uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (modes 2/4) intermediate */
   float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
   size_t bytes;
 };

@@ -1,7 +1,8 @@
 /* moe_sm90_wgmma.cu -- the WGMMA product path of the sm90 fused expert
  * compute: two persistent, warp-specialized kernels per call (L1 with the
  * SwiGLU + FP8 requant epilogue, L2 with the BF16 epilogue) and a small prep
- * kernel (token scales transposed; mode 2: F16 copy of the activations).
+ * kernel (token scales transposed; mode 2: F16 copy of the activations,
+ * written into the pool's output buffer, which L2 overwrites afterwards).
  *
  * Swap-AB: weights are the WGMMA A operand (64 rows per m64 tile, decoded from
  * packed FP4 straight into A-fragment registers, "RS" form), tokens are N
@@ -14,8 +15,13 @@
  * in L2 and a skewed expert spreads over every SM.
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
- * then promotes: final += acc * token_scale * weight_ref (FP8 modes) or
- * acc * token_scale * 2^14 (mode 2, F16 encoding of e2m1 * scale). */
+ * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
+ * acc * token_scale * 2^14 (mode 2, F16 encoding of e2m1 * scale).
+ *
+ * Mode 4 decodes mode 1's records to E4M3 like mode 1 and converts byte pairs
+ * to F16 in place, so its k16 HGMMA steps see K in mm_sm90_kperm order inside
+ * every 32-column block; its B operands (the prep kernel's F16 copy of x, the
+ * L1 epilogue's F16 intermediate) are stored in that order. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -39,9 +45,10 @@ constexpr int kSmemLimit = 232448;
 
 template <int MODE, int BN>
 struct Cfg {
-  static constexpr bool kF16 = MODE == 2;
-  static constexpr int kRec = MODE == 1 ? 4480 : MODE == 2 ? 4608 : 4736;
-  static constexpr int kG = MODE == 1 ? 4 : 8;
+  static constexpr bool kF16 = MODE == 2 || MODE == 4; /* HGMMA, F16 activations */
+  static constexpr bool kG32 = MODE == 1 || MODE == 4; /* mode 1's records */
+  static constexpr int kRec = kG32 ? 4480 : MODE == 2 ? 4608 : 4736;
+  static constexpr int kG = kG32 ? 4 : 8;
   static constexpr int kRefOff = 4096 + 64 * kG;
   static constexpr int kA = 4 * kRec;            /* 4 records per stage */
   static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
@@ -173,6 +180,12 @@ __device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
 __device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
   return *reinterpret_cast<uint32_t *>(&r);
+}
+/* Two E4M3 bytes (low = first) -> F16 pair (exact). */
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((uint16_t)two));
+  return d;
 }
 /* E4M3 byte -> F16 pair (s, s). */
 __device__ __forceinline__ uint32_t e4m3_pair(uint32_t b) {
@@ -319,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sched[E] = acc;
   }
-  if (MODE != 2)
+  if (MODE != 2) /* fold table: modes 1, 3, 4 */
     for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += kThreads)
       ((uint32_t *)(sm + S::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
   __syncthreads();
@@ -397,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
           const int r = r0 + 8 * h;
-          if (MODE == 1) sb1[j][h] = *(const uint32_t *)(R + 4096 + r * 4);
+          if (C::kG32) sb1[j][h] = *(const uint32_t *)(R + 4096 + r * 4);
           else sb2[j][h] = *(const uint2 *)(R + 4096 + r * 8);
           sw[j][h] = MODE == 2 ? 1.0f : mm_sm90_pow2(*(const int16_t *)(R + C::kRefOff + 2 * r));
         }
@@ -423,6 +436,19 @@ __global__ void __launch_bounds__(kThreads, 1)
                 a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
                 a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
               }
+            } else if (MODE == 4) {
+              /* mode 1's E4M3 decode, then each byte pair to an F16 pair: FP8
+               * register rr (+2) of step ch splits into F16 register rr (+2)
+               * of the k16 steps 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
+              const uint32_t word = wd[j][2 * ch + rr];
+              const uint2 l = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
+              const uint32_t sel = word & 0x77777777u;
+              const uint32_t lo = prmt(l.x, l.y, sel) | (word & 0x80808080u);
+              const uint32_t hi = prmt(l.x, l.y, sel >> 16) | ((word << 4) & 0x80808080u);
+              a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
+              a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
+              a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
+              a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
             } else {
               const uint32_t word = wd[j][2 * ch + rr];
               uint2 llo, lhi;
@@ -443,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wg_fence();
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-          if (MODE == 2) {
+          if (C::kF16) {
 #pragma unroll
             for (int ss = 0; ss < 2; ss++) {
               const int s = 2 * ch + ss;
@@ -497,8 +523,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int i = 4 * (k >> 1) + (k & 1);
           float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
           if (p.clamp > 0.0f) {
-            gt = fminf(gt, p.clamp);
-            up = fminf(fmaxf(up, -p.clamp), p.clamp);
+            gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
+            up = mm_clamp_up(up, p.clamp);
           }
           const float s = gt / (1.0f + expf(-gt));
           av[j][k] = (s * up) * rwv[k];
@@ -526,7 +552,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float inv = 448.0f / m;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-          const int lch = 32 * (2 * c + j) + 8 * w + g;
+          /* channel within the 128-block = L2's K column, stored at its
+           * mm_sm90_kperm position (mode 4; identity otherwise) */
+          const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
+          const int lch = 32 * (2 * c + j) + lc;
           const uint8_t q8 = f32_to_e4m3(av[j][k] * inv);
           if (C::kF16)
             ((uint16_t *)stg)[col * 128 + lch] =
@@ -575,9 +604,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-/* Token scales transposed to [K/128][Mp]; mode 2 also x as F16. Rows outside
- * [offsets[0], offsets[E]) are left alone. */
-template <bool F16>
+/* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16 (mode 4
+ * in mm_sm90_kperm order). Rows outside [offsets[0], offsets[E]) are left
+ * alone. */
+template <int F16> /* 0: scales only (FP8 modes), 2: F16 copy, 4: F16 copy permuted */
 __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
                             int Mp, float *xs_t, uint16_t *x16) {
   const int r0 = off[0], r1 = off[E], KB = H / 128;
@@ -589,13 +619,18 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
   }
   if (F16) {
     const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
-    uint2 *o4 = (uint2 *)(x16 + (size_t)r0 * H);
+    uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
     for (long i = first; i < (long)(r1 - r0) * (H / 4); i += stride) {
       const uint32_t v = x4[i];
-      uint2 o;
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o.x) : "h"((uint16_t)(v & 0xFFFF)));
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o.y) : "h"((uint16_t)(v >> 16)));
-      o4[i] = o;
+      const uint32_t lo = e4m3x2_to_f16x2(v & 0xFFFFu), hi = e4m3x2_to_f16x2(v >> 16);
+      if (F16 == 4) { /* columns 4i, 4i + 1 and 4i + 2, 4i + 3 land 16 apart */
+        const long base = 4 * i & ~31L;
+        const int k = (int)(4 * i & 31);
+        *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k)) = lo;
+        *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k + 2)) = hi;
+      } else {
+        ((uint2 *)o)[i] = make_uint2(lo, hi);
+      }
     }
   }
 }
@@ -675,12 +710,21 @@ mm_err *launch(const Params &p, const CUtensorMap &b, const CUtensorMap &s, cuda
 template <int MODE, int BN>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, cudaStream_t st) {
-  const bool f16 = MODE == 2;
+  const bool f16 = Cfg<MODE, BN>::kF16;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128, sbox = BN + 4;
+  /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
+  MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
+               "sm90 expert compute: pool x and out must be 16-byte aligned");
+  /* F16 modes: the F16 copy of x lives in pool->out (dead until L2 writes
+   * it; moe_compute.h). The map has M rows: a token tile reaching past the
+   * last row reads TMA zero fill. Rows of [0, M) outside the pool hold
+   * whatever the caller left there; they only feed token columns that are
+   * never stored. */
+  uint16_t *x16 = f16 ? pool->out : NULL;
   CUtensorMap b1, s1, b2, s2;
-  if (f16) MM_TRY(make_map(&b1, dt, ws->x16, H, Mp, 2ull * H, box0, BN, true));
+  if (f16) MM_TRY(make_map(&b1, dt, x16, H, M, 2ull * H, box0, BN, true));
   else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, BN, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, sbox, 1,
                   false));
@@ -688,8 +732,8 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, sbox, 1,
                   false));
   /* maps first: the prep kernel then runs back to back with L1 */
-  prep_kernel<f16><<<2 * sm_count(), 256, 0, st>>>(pool->x, pool->x_scale, pool->expert_offsets,
-                                                   L->E, H, Mp, ws->xs_t, ws->x16);
+  prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
+      pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
   MM_CUDA_TRY(cudaGetLastError());
   Params p;
   memset(&p, 0, sizeof(p));
@@ -725,7 +769,11 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
   if (L->H % kRowsCta) return "hidden size must be a multiple of 256";
   if (L->E > kMaxExperts) return "more than 256 local experts";
-  if ((size_t)L->rec != (L->mode == 1 ? Cfg<1, 64>::kRec : L->mode == 2 ? Cfg<2, 64>::kRec : Cfg<3, 64>::kRec))
+  const int m = L->mode;
+  if ((size_t)L->rec != (m == 1   ? Cfg<1, 64>::kRec
+                         : m == 2 ? Cfg<2, 64>::kRec
+                         : m == 3 ? Cfg<3, 64>::kRec
+                                  : Cfg<4, 64>::kRec))
     return "record size mismatch";
   return NULL;
 }
@@ -744,6 +792,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
+    case MM_WMODE_G32_F16_EXACT: MM_RUN_BN(4);
     default: MM_RUN_BN(3);
   }
 #undef MM_RUN_BN

@@ -23,6 +23,12 @@ typedef struct mm_exec_io {
   int on_device;               /* tensors are device pointers */
 } mm_exec_io;
 
+/* Device-timed phases of one execute; -1 = unknown. */
+typedef struct mm_step_stats {
+  double dispatch_us, compute_us, combine_us;
+  int64_t dispatch_bytes, combine_bytes;
+} mm_step_stats;
+
 typedef struct mm_backend_ops {
   const char *name; /* "cpu-reference", "cuda" */
   /* Creates backend state (device context, communicator, streams). */
@@ -47,6 +53,9 @@ typedef struct mm_backend_ops {
    * (bad expert ids, capacity overflow, communicator failure); wait = 1
    * first waits for the op's work on `stream`. NULL: nothing to report. */
   mm_err *(*check)(mm_op *op, void *stream, int wait);
+  /* Optional: the phases of the last eager execute (see
+   * megamoe_op_info_args); fields it cannot tell stay -1. Never waits. */
+  void (*last_step)(mm_op *op, mm_step_stats *out);
 } mm_backend_ops;
 
 

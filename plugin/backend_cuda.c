@@ -17,6 +17,9 @@ typedef struct cuda_state {
   cudaStream_t stream; /* the op's own stream */
   mm_ep_comm *comm;
   mm_ep_engine *engine;
+  /* phase marks of the last eager execute: dispatch, compute, combine */
+  cudaEvent_t ev[4];
+  int ev_recorded;
 } cuda_state;
 
 static cuda_state *state_of(mm_op *op) { return (cuda_state *)op->backend_state; }
@@ -28,11 +31,6 @@ int mm_cuda_device_count(void) {
     return 0;
   }
   return n;
-}
-
-mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode) {
-  if (gran == 32) return MM_WMODE_G32_FP8;
-  return mode == MM_COMPUTE_FP8 ? MM_WMODE_G16_FP8 : MM_WMODE_G16_BF16_EXACT;
 }
 
 static mm_err *cuda_err(cudaError_t ce, const char *what) {
@@ -81,6 +79,7 @@ static mm_err *cuda_init(mm_op *op) {
   op->backend_state = s;
   MM_TRY(cuda_err(cudaSetDevice(op->device), "cudaSetDevice"));
   MM_TRY(cuda_err(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  for (int i = 0; i < 4; i++) MM_TRY(cuda_err(cudaEventCreate(&s->ev[i]), "cudaEventCreate"));
   const megamoe_host_services *hs = mm_host_services();
   mm_ep_comm_args ca = {op->rank, R, op->device, op->host_nccl_comm, op->comm_key,
                         c->comm_timeout_ms > 0 ? c->comm_timeout_ms : 300000,
@@ -218,6 +217,9 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   mm_ep_step step = {io->T, io->hidden, io->topk_ids, io->topk_weights,
                      (float)op->cfg.model.routed_scaling_factor, (mm_ep_mode)mode, st,
                      {NULL, NULL, NULL, NULL}};
+  if (!capturing) /* graph nodes would outlive this call's meaning */
+    for (int i = 0; i < 4; i++) step.events[i] = s->ev[i];
+  s->ev_recorded = 0; /* until this step completes its enqueue */
   mm_expert_pool pool;
   void *ws = NULL;
   size_t ws_bytes = 0;
@@ -246,6 +248,7 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
     megamoe_error_destroy(pending);
     return cerr;
   }
+  s->ev_recorded = !capturing;
   return pending;
 }
 
@@ -264,12 +267,33 @@ static void cuda_destroy(mm_op *op) {
   }
   mm_ep_engine_destroy(s->engine);
   mm_ep_comm_destroy(s->comm);
+  for (int i = 0; i < 4; i++)
+    if (s->ev[i]) cudaEventDestroy(s->ev[i]);
   if (s->stream) cudaStreamDestroy(s->stream);
   free(s);
   op->backend_state = NULL;
 }
 
+static void cuda_last_step(mm_op *op, mm_step_stats *out) {
+  cuda_state *s = state_of(op);
+  if (!s || !s->engine || !s->ev_recorded || cudaSetDevice(op->device) != cudaSuccess) return;
+  if (cudaEventQuery(s->ev[3]) != cudaSuccess) { /* in flight (or never recorded) */
+    cudaGetLastError();
+    return;
+  }
+  float ms[3];
+  for (int i = 0; i < 3; i++)
+    if (cudaEventElapsedTime(&ms[i], s->ev[i], s->ev[i + 1]) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+  out->dispatch_us = ms[0] * 1e3;
+  out->compute_us = ms[1] * 1e3;
+  out->combine_us = ms[2] * 1e3;
+  mm_ep_engine_step_bytes(s->engine, &out->dispatch_bytes, &out->combine_bytes);
+}
+
 const mm_backend_ops mm_backend_cuda = {
     "cuda", cuda_init, cuda_prepare_layer, cuda_plan, cuda_execute, cuda_destroy,
-    cuda_release_layer, mm_cuda_check,
+    cuda_release_layer, mm_cuda_check, cuda_last_step,
 };

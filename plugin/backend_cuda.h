@@ -16,8 +16,14 @@
  * so the ranks stay in step) and returns what it found. */
 mm_err *mm_cuda_check(mm_op *op, void *stream, int wait);
 
-/* Weight mode for a layer of gran-k `gran` under compute.mode `mode`. */
-mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode);
+/* Weight mode for a layer of gran-k `gran` under compute.mode `mode`:
+ * gran 32: bf16-exact -> 4 (F16 HGMMA, exact), fp8 / auto -> 1 (QGMMA);
+ * gran 16: fp8 -> 3 (lossy fold), bf16-exact / auto -> 2 (exact).
+ * Inline so that CPU-only tests check it (tests/test_layout_sm90.c). */
+static inline mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode) {
+  if (gran == 32) return mode == MM_COMPUTE_BF16_EXACT ? MM_WMODE_G32_F16_EXACT : MM_WMODE_G32_FP8;
+  return mode == MM_COMPUTE_FP8 ? MM_WMODE_G16_FP8 : MM_WMODE_G16_BF16_EXACT;
+}
 
 /* Which dispatch mode execute uses for T tokens (1 normal, 2 low-latency). */
 int mm_cuda_dispatch_mode(const mm_op *op, int T);

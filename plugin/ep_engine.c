@@ -238,6 +238,13 @@ mm_ep_transport mm_ep_engine_transport(const mm_ep_engine *e) {
   return e->ipc ? MM_EP_TRANSPORT_IPC : MM_EP_TRANSPORT_NCCL;
 }
 
+void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine) {
+  int64_t d = 0, c = 0;
+  for (int r = 0; r < e->a.ranks; r++) d += e->send_bytes[r], c += e->cs_bytes[r];
+  *dispatch = d;
+  *combine = c;
+}
+
 /* Normal mode: every rank checks every rank's fan-in against its capacity,
  * so all return the same verdict and none is left waiting in a collective. */
 static mm_err *check_matrix(mm_ep_engine *e) {

@@ -65,6 +65,8 @@ uint64_t mm_ep_engine_host_bytes(const mm_ep_engine *e);
 int mm_ep_engine_ll_tokens(const mm_ep_engine *e);
 /* The low-latency steps' transport: MM_EP_TRANSPORT_IPC or MM_EP_TRANSPORT_NCCL. */
 mm_ep_transport mm_ep_engine_transport(const mm_ep_engine *e);
+/* Bytes the last step sent (own segment included): dispatch, combine. */
+void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine);
 
 typedef struct mm_ep_step {
   int T;

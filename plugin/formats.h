@@ -35,6 +35,22 @@ uint16_t mm_float_to_bf16(float x);
 float mm_bf16_to_float(uint16_t h);
 static inline float mm_round_bf16(float x) { return mm_bf16_to_float(mm_float_to_bf16(x)); }
 
+/* SwiGLU input clamp (model.activation-clamp c > 0): gate to (-inf, c], up
+ * to [-c, c]. A NaN stays NaN: fminf/fmaxf return the bound for a NaN and
+ * would make a NaN token, defined to give a NaN output row
+ * (docs/RELIABILITY.md), finite. Equal to fminf(g, c) and
+ * fminf(fmaxf(u, -c), c) for every other input. Shared by the reference and
+ * the kernels. */
+#ifdef __CUDACC__
+#define MM_HOST_DEVICE __host__ __device__
+#else
+#define MM_HOST_DEVICE
+#endif
+static inline MM_HOST_DEVICE float mm_clamp_gate(float g, float c) { return g > c ? c : g; }
+static inline MM_HOST_DEVICE float mm_clamp_up(float u, float c) {
+  return u > c ? c : u < -c ? -c : u;
+}
+
 /* FP8 activation quantization of one block of n (<= 128) channels, DeepGEMM's
  * rule: amax = max(max|x|, 1e-4); q = e4m3(x * (448 / amax)); scale = amax / 448.
  * Dequantized value: e4m3(q) * scale. */

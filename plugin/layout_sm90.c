@@ -202,18 +202,20 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
 }
 
 mm_err *mm_sm90_check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up) {
-  if (mode < MM_WMODE_G32_FP8 || mode > MM_WMODE_G16_FP8)
+  if (mode < MM_WMODE_G32_FP8 || mode > MM_WMODE_G32_F16_EXACT)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: unknown weight mode %d",
                     (int)mode);
   if (m->rows <= 0 || m->rows % 64 || m->cols <= 0 || m->cols % 128)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "sm90 layout: matrix [%d, %d] must have rows %% 64 == 0 and cols %% 128 == 0",
                     m->rows, m->cols);
-  if (mode == MM_WMODE_G32_FP8 && (m->gran != 32 || m->sf != MM_SF_UE8M0))
+  const int g32 = mm_sm90_record_mode(mode) == MM_WMODE_G32_FP8;
+  if (g32 && (m->gran != 32 || m->sf != MM_SF_UE8M0))
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                    "sm90 layout: mode g32-fp8 needs gran 32 UE8M0 scales (got gran %d, %s)",
-                    m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
-  if (mode != MM_WMODE_G32_FP8 && (m->gran != 16 || m->sf != MM_SF_E4M3))
+                    "sm90 layout: mode %s needs gran 32 UE8M0 scales (got gran %d, %s)",
+                    mode == MM_WMODE_G32_FP8 ? "g32-fp8" : "g32-f16-exact", m->gran,
+                    m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
+  if (!g32 && (m->gran != 16 || m->sf != MM_SF_E4M3))
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "sm90 layout: gran-16 modes need gran 16 E4M3 scales (got gran %d, %s)",
                     m->gran, m->sf == MM_SF_E4M3 ? "E4M3" : "UE8M0");
@@ -227,6 +229,7 @@ mm_err *mm_sm90_check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up)
 mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
                             float *row_scale, double fold_err[2]) {
   MM_TRY(mm_sm90_check_matrix(m, mode, gate_up));
+  mode = mm_sm90_record_mode(mode); /* mode 4: mode 1's records */
   const size_t tiles = (size_t)(m->rows / 64);
   uint8_t lut[MM_SM90_LUT_ENTRIES][8];
   mm_sm90_lut_table(lut);

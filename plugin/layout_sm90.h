@@ -27,7 +27,8 @@ extern "C" {
 typedef enum {
   MM_WMODE_G32_FP8 = 1,        /* gran 32 UE8M0 folded exactly into E4M3, QGMMA */
   MM_WMODE_G16_BF16_EXACT = 2, /* gran 16 E4M3 scales, decode exact to 16 bit, HGMMA */
-  MM_WMODE_G16_FP8 = 3         /* gran 16, scale folded into E4M3 (lossy), QGMMA */
+  MM_WMODE_G16_FP8 = 3,        /* gran 16, scale folded into E4M3 (lossy), QGMMA */
+  MM_WMODE_G32_F16_EXACT = 4   /* gran 32 UE8M0, mode 1's records decoded to F16, HGMMA */
 } mm_weight_mode;
 
 #define MM_SM90_TILE_ROWS 64
@@ -47,10 +48,16 @@ typedef enum {
 #define MM_SM90_HD static inline
 #endif
 
-/* Scale bytes per row of a record: mode 1 one LUT index per 32-group (4),
- * mode 2 one E4M3 byte per 16-group (8), mode 3 one LUT index per 16-group. */
+/* Mode 4 uses mode 1's records bit for bit (same packer, same slots); only
+ * the kernels' MMA type differs. This is the mode whose records to build. */
+MM_SM90_HD mm_weight_mode mm_sm90_record_mode(mm_weight_mode mode) {
+  return mode == MM_WMODE_G32_F16_EXACT ? MM_WMODE_G32_FP8 : mode;
+}
+/* Scale bytes per row of a record: modes 1 / 4 one LUT index per 32-group
+ * (4), mode 2 one E4M3 byte per 16-group (8), mode 3 one LUT index per
+ * 16-group. */
 MM_SM90_HD int mm_sm90_groups_per_row(mm_weight_mode mode) {
-  return mode == MM_WMODE_G32_FP8 ? 4 : 8;
+  return mm_sm90_record_mode(mode) == MM_WMODE_G32_FP8 ? 4 : 8;
 }
 MM_SM90_HD int mm_sm90_has_ref(mm_weight_mode mode) { return mode != MM_WMODE_G16_BF16_EXACT; }
 /* codes + scales [64][groups] + (FP8 modes) int16 reference exponents [64]. */
@@ -72,12 +79,13 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
  * bit of the sign. Thread t = 32w + 4g + q of the warpgroup owns rows
  * 16w+g and 16w+g+8 (A fragment rows) and 8 words: word u at
  * (u/4)*2048 + t*16 + (u%4)*4.
- *  FP8 modes (k32 step s = kk/32): u = 2s + (row is the +8 one); the word
- *    holds k = 4q+b (+16 for the high half h); element b of the low half:
- *    magnitude at 4b, sign at 8b+7; of the high half: 16+4b, sign 8b+3
+ *  FP8 modes and mode 4 (k32 step s = kk/32): u = 2s + (row is the +8
+ *    one); the word holds k = 4q+b (+16 for the high half h); element b
+ *    of the low half: magnitude at 4b, sign at 8b+7; of the high half:
+ *    16+4b, sign 8b+3
  *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
  *    w >> 16 with (w << 4) & 0x80808080).
- *  16-bit mode (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
+ *  mode 2 (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
  *    n = o + 4*hh holds k = 2q + hh + 8*jh of step s, o = 2*(s%2) + jh
  *    (standard nibble: magnitude at 4n, sign at 4n+3). */
 MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
@@ -103,7 +111,29 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
 
 /* Scale byte index (within the row's bytes) of column kk of a record. */
 MM_SM90_HD int mm_sm90_group_of(mm_weight_mode mode, int kk) {
-  return mode == MM_WMODE_G32_FP8 ? kk >> 5 : kk >> 4;
+  return mm_sm90_record_mode(mode) == MM_WMODE_G32_FP8 ? kk >> 5 : kk >> 4;
+}
+
+/* Mode 4's K order. Its A fragments are mode 1's FP8 k32 fragments converted
+ * pairwise to F16 (cvt.rn.f16x2.e4m3x2) without moving data between threads:
+ * FP8 register rr + 2h of thread q (row r, columns 16h + 4q .. +3) gives the
+ * F16 registers rr + 2h of the two k16 HGMMA steps t = 0, 1 (columns 16h +
+ * 4q + 2t, +1). In the k16 steps' own order those registers hold positions
+ * 16t + 8h + 2q + b, b = 0, 1. So inside each 32-column block position p of
+ * the F16 B operand (the activation copy, the intermediate) holds column
+ *   k = 16h + 4q + 2t + b   for   p = 16t + 8h + 2q + b,
+ * a bit permutation of the 5-bit index (p bits t h q1 q0 b, k bits h q1 q0 t
+ * b). Other modes: the identity. */
+MM_SM90_HD int mm_sm90_kperm_src(mm_weight_mode mode, int p) {
+  if (mode != MM_WMODE_G32_F16_EXACT) return p;
+  const int t = (p >> 4) & 1, h = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
+  return (p & ~31) | (h << 4) | (q << 2) | (t << 1) | b;
+}
+/* Inverse: the position of column k. */
+MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
+  if (mode != MM_WMODE_G32_F16_EXACT) return k;
+  const int h = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, b = k & 1;
+  return (k & ~31) | (t << 4) | (h << 3) | (q << 1) | b;
 }
 
 /* Canonical row of layout row r. gate_up: w13 ([gate; up], rows = 2I):
@@ -128,12 +158,50 @@ MM_SM90_HD float mm_sm90_pow2(int e) {
   return v.f;
 }
 
+/* The compute workspace of the sm90 kernels for a pool of num_rows_max rows
+ * (Mp = rows rounded up to 64, at least 64): byte offsets of its arrays,
+ * each 256-aligned. The exact mode's F16 copy of the pool rows is not here:
+ * it lives in the pool's output buffer (moe_compute.h, mm_expert_pool). */
+typedef struct mm_sm90_ws_plan {
+  int Mp;
+  size_t xs_t;  /* FP32 [H/128][Mp] token scales, transposed */
+  size_t act;   /* [Mp][I] intermediate: FP8 (modes 1, 3) or F16 (modes 2, 4;
+                 * mode 4 in mm_sm90_kperm order) */
+  size_t as_t;  /* FP32 [I/128][Mp] intermediate scales, transposed */
+  size_t bytes; /* total */
+} mm_sm90_ws_plan;
+
+/* Modes whose MMAs run in F16 (F16 activations and intermediate). */
+MM_SM90_HD int mm_sm90_f16_mma(mm_weight_mode mode) {
+  return mode == MM_WMODE_G16_BF16_EXACT || mode == MM_WMODE_G32_F16_EXACT;
+}
+
+MM_SM90_HD size_t mm_sm90_align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, int I,
+                                                  int num_rows_max) {
+  mm_sm90_ws_plan w;
+  w.Mp = (num_rows_max + 63) / 64 * 64;
+  if (w.Mp == 0) w.Mp = 64;
+  const size_t Mp = (size_t)w.Mp;
+  size_t off = 0;
+  w.xs_t = off;
+  off += mm_sm90_align256(sizeof(float) * (size_t)(H / 128) * Mp);
+  w.act = off;
+  off += mm_sm90_align256((mm_sm90_f16_mma(mode) ? 2u : 1u) * Mp * (size_t)I);
+  w.as_t = off;
+  off += mm_sm90_align256(sizeof(float) * (size_t)(I / 128) * Mp);
+  w.bytes = off;
+  return w;
+}
+
 /* Builds the fold table (MM_SM90_LUT_ENTRIES x 8 bytes). */
 void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
 
 /* Packs m into dst (mm_sm90_matrix_bytes bytes) and writes the FP32 row
  * factor of every layout row into row_scale (rows floats). gate_up selects
- * the w13 row order. Mode 1 needs gran 32 UE8M0, modes 2/3 gran 16 E4M3.
+ * the w13 row order. Modes 1 / 4 need gran 32 UE8M0 (same records), modes
+ * 2 / 3 gran 16 E4M3.
  * Mode 1 is exact or fails (naming row and K-block) when a 128-column block
  * of a row holds groups whose exponents are too far apart for one FP8 fold.
  * If fold_err is not NULL it receives, for mode 3, sum (w_folded - w)^2 and

@@ -312,7 +312,7 @@ static mm_err *pack_mats(const pack_mat *mats, int n, mm_weight_mode mode, int t
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layout: out of host memory");
     goto done;
   }
-  if (n_ok > 0 && build_tables(T, mode) != 0) {
+  if (n_ok > 0 && build_tables(T, mm_sm90_record_mode(mode)) != 0) { /* mode 4: mode 1's */
     err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layout: code slots are not byte-aligned words");
     goto done;
   }

@@ -414,7 +414,7 @@ static megamoe_error *op_destroy(megamoe_op_destroy_args *args) {
 }
 
 static megamoe_error *op_get_info(megamoe_op_info_args *args) {
-  CHECK_ARGS(args, MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE, "get_info");
+  CHECK_ARGS(args, MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0, "get_info");
   mm_op *op = mm_registry_get(args->op);
   if (!op)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "get_info: op handle is not a live op");
@@ -430,6 +430,15 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   for (int l = 0; l < op->num_layer_slots; l++) ready += op->layers[l].ready;
   args->num_layers_ready = ready;
   args->planned_tokens = op->planned_tokens;
+  if (args->struct_size >= MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE) { /* 1.1 */
+    mm_step_stats st = {-1, -1, -1, -1, -1};
+    if (op->backend->last_step && op->state == MM_OP_PLANNED) op->backend->last_step(op, &st);
+    args->last_dispatch_us = st.dispatch_us;
+    args->last_compute_us = st.compute_us;
+    args->last_combine_us = st.combine_us;
+    args->last_dispatch_bytes = st.dispatch_bytes;
+    args->last_combine_bytes = st.combine_bytes;
+  }
   return NULL;
 }
 

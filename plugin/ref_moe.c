@@ -82,8 +82,8 @@ void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
     for (int c = 0; c < I; c++) {
       float g = mm_round_bf16(hi[c]), u = mm_round_bf16(hi[I + c]);
       if (clamp > 0.0f) {
-        g = fminf(g, clamp);
-        u = fminf(fmaxf(u, -clamp), clamp);
+        g = mm_clamp_gate(g, clamp);
+        u = mm_clamp_up(u, clamp);
       }
       a[c] = mm_swiglu_weighted(g, u, row_weight[i]);
     }

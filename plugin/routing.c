@@ -109,9 +109,15 @@ static uint64_t align_up(uint64_t x) { return (x + MM_EP_ALIGN - 1) / MM_EP_ALIG
 static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 static int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-int64_t mm_ep_workspace_estimate(int64_t pool_rows, int intermediate) {
-  /* The fused kernel keeps the SwiGLU output as FP8 with FP32 per-128 scales. */
-  return pool_rows * ((int64_t)intermediate + (int64_t)intermediate / MM_ACT_BLOCK * 4);
+int64_t mm_ep_workspace_estimate(int64_t pool_rows, int hidden, int intermediate) {
+  /* Token scales^T (FP32 per 128), the SwiGLU output (F16 in the exact modes,
+   * FP8 otherwise) and its scales^T, for rows rounded up to a 64-row tile,
+   * each array 256-aligned. The F16 copy of the pool rows of the exact mode
+   * lives in the pool output (region y), not here. */
+  const int64_t Mp = pool_rows < 64 ? 64 : (pool_rows + 63) / 64 * 64;
+  const int64_t per_row = (int64_t)hidden / MM_ACT_BLOCK * 4 + 2 * (int64_t)intermediate +
+                          (int64_t)intermediate / MM_ACT_BLOCK * 4;
+  return Mp * per_row + 3 * 256;
 }
 
 mm_err *mm_ep_size(const mm_ep_size_args *a, mm_ep_sizes *o) {
@@ -138,7 +144,8 @@ mm_err *mm_ep_size(const mm_ep_size_args *a, mm_ep_sizes *o) {
   o->ll_tok_rows = R * L;
   o->ll_pair_rows = R * L * kk;
   int64_t ws = a->workspace_bytes >= 0 ? a->workspace_bytes
-                                       : mm_ep_workspace_estimate(o->pool_rows, a->intermediate);
+                                       : mm_ep_workspace_estimate(o->pool_rows, a->hidden,
+                                                                  a->intermediate);
   o->workspace = align_up((uint64_t)ws);
   const uint64_t P = (uint64_t)o->pool_rows, out_row = (uint64_t)H * 2;
   const uint64_t pool_x = align_up(P * (uint64_t)H) + align_up(P * (uint64_t)(H / 32));

@@ -82,7 +82,7 @@ typedef struct mm_ep_size_args {
   int ll_tokens;         /* low-latency capacity per peer segment; 0 = no low-latency */
   double pool_factor;    /* pool rows = min(worst case, pool_factor * max_tokens * k) */
   /* Bytes the expert compute needs as workspace for pool_rows rows; < 0: use
-   * mm_ep_workspace_estimate (FP8 intermediate + FP32 scales). */
+   * mm_ep_workspace_estimate (the largest weight mode's need). */
   int64_t workspace_bytes;
 } mm_ep_size_args;
 
@@ -108,7 +108,11 @@ typedef struct mm_ep_sizes {
   uint64_t host_total;  /* pinned: count matrix + flags */
 } mm_ep_sizes;
 
-int64_t mm_ep_workspace_estimate(int64_t pool_rows, int intermediate);
+/* The sm90 compute workspace for pool_rows rows in the weight mode that needs
+ * the most (16-bit intermediate): what mm_sm90_workspace_plan (layout_sm90.h)
+ * gives, in 64-bit arithmetic; covers every mode, so a plan made before the
+ * layers are prepared fits any of them. */
+int64_t mm_ep_workspace_estimate(int64_t pool_rows, int hidden, int intermediate);
 mm_err *mm_ep_size(const mm_ep_size_args *a, mm_ep_sizes *out);
 
 /* Bytes of the count matrix row each rank contributes (all-gathered):

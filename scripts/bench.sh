@@ -16,7 +16,8 @@ date -u +"# %Y-%m-%d %H:%M UTC"
 ## Fused expert compute (one EP8 rank of GLM-5: E_loc 32, H 6144, I 2048)
 b="$build/kernels/bench_moe_compute"
 if [ -x "$b" ]; then
-  for args in "--gran-k 32" "--gran-k 16 --compute bf16-exact" "--gran-k 16 --compute fp8"; do
+  for args in "--gran-k 32" "--gran-k 32 --compute bf16-exact" "--gran-k 16 --compute bf16-exact" \
+    "--gran-k 16 --compute fp8"; do
     echo "## bench_moe_compute $args ${BENCH_ARGS:-}"
     # shellcheck disable=SC2086
     "$b" $args ${BENCH_ARGS:-}

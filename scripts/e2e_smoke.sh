@@ -2,7 +2,8 @@
 # e2e_smoke.sh -- the main job: build (bootstrap), synthesize a checkpoint,
 # run the megamoe_fp4 operator end to end through the plugin ABI with
 # megamoe-host, check sampled tokens against the cpu-reference backend, print
-# timings and a one-line PASS/FAIL summary.
+# timings (per layer; dispatch / compute / combine microseconds and GB/s per
+# rank on GPUs) and a one-line PASS/FAIL summary.
 #
 # With GPUs: GLM-5 shapes (hidden 6144, expert size 2048, 256 experts, top-8),
 # ep-size = every visible GPU, both requant policies, decode (128 tokens per
@@ -80,6 +81,8 @@ for policy in none group16-to-group32; do
     rc=$?
     line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
     echo "  requant=$policy dispatch=$mode: ${line#megamoe-host: }"
+    # dispatch / compute / combine per token count, device-timed (rank 0)
+    grep '^megamoe-host: rank 0 T[0-9]* phases' "$log" | sed 's/^megamoe-host: /    /'
     if [ $rc -eq 0 ] && [[ $line == *PASS* ]]; then pass=$((pass + 1)); else
       fail=$((fail + 1)); tail -15 "$log" | sed 's/^/    /'; fi
     summary+=("$policy/$mode: ${line#megamoe-host: }")

@@ -108,7 +108,7 @@ build_target() { # name
     else srcs+=("$src/plugin/$s"); fi
   done
   # Rebuild when any input is newer than the binary.
-  if [ -x "$out" ] && [ -z "$(find "$src/plugin" "$src/abi" "$src/tests/fuzz" -newer "$out" -name '*.[ch]' | head -1)" ]; then
+  if [ -x "$out" ] && [ -z "$(find "$src/plugin" "$src/abi" "$src/tests/fuzz" "$src/tests/abi_fixture.h" -newer "$out" -name '*.[ch]' | head -1)" ]; then
     return 0
   fi
   echo "fuzz.sh: building fuzz_$t with $CC"

@@ -15,6 +15,7 @@
 #   GPU_SUITE_LAYER_TOKENS=8,128,1024,8192   tokens per rank of the layer step
 #                          (whole-layer latency on the e2e checkpoint)
 #   MEGAMOE_TEST_REPLAYS=1000   graph replays of gpu_test_ep_ranks
+#   GPU_SUITE_SANITIZE="GLOB ..."   test binaries under compute-sanitizer
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
 out=${2:-${OUT:-/tmp/gpu_suite}}
@@ -48,7 +49,7 @@ fi
 if [[ " $steps " == *" sanitizer "* ]]; then
   # The quick compute set and the engine-only EP tests: NCCL's own kernels
   # under racecheck take minutes and are not ours to check.
-  for t in "$pack"/tests/${GPU_SUITE_SANITIZE:-gpu_test_*}; do
+  for t in $(for pat in ${GPU_SUITE_SANITIZE:-gpu_test_*}; do echo "$pack"/tests/$pat; done); do
     [ -x "$t" ] || continue
     name=$(basename "$t")
     for tool in ${GPU_SUITE_SANITIZE_TOOLS:-memcheck racecheck}; do

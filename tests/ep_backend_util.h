@@ -22,11 +22,19 @@ static size_t count_diff(const uint16_t *a, const uint16_t *b, size_t n) {
   return d;
 }
 
-/* Whole-backend accuracy against the float64 reference. gran 32 runs mode 1
- * (FP8 QGMMA, whose limited-precision accumulation between the FP32
- * promotions flips a few FP8 codes of the intermediate: a few 1e-3, see
- * gpu_test_moe_compute.c); gran 16 runs the exact mode 2. */
-static double backend_tolerance(int gran) { return gran == 32 ? 1e-2 : 1e-3; }
+/* Whole-backend accuracy against the float64 reference, end to end. These
+ * tests check the integration (dispatch, pool, combine: their bugs give O(1)
+ * errors); the kernels' exactness is checked code by code in
+ * gpu_test_moe_compute.c. End to end, one FP8 code of the intermediate
+ * flipped at a rounding near-tie moves a small batch by ~1e-3 on its own, so
+ * the bounds leave room for a few: the exact modes (gran 16 bf16-exact or
+ * auto: mode 2; gran 32 bf16-exact: mode 4) 5e-3; gran 32 fp8 / auto runs
+ * mode 1, FP8 QGMMA, whose ~14-bit accumulation between the FP32 promotions
+ * flips more of them (measured up to 1.6e-2): 5e-2. */
+static double backend_tolerance(int gran, mm_compute_mode cm) {
+  const int exact = gran == 16 ? cm != MM_COMPUTE_FP8 : cm == MM_COMPUTE_BF16_EXACT;
+  return exact ? 5e-3 : 5e-2;
+}
 
 static double rel_frob(const uint16_t *a, const uint16_t *ref, size_t n) {
   double e2 = 0, r2 = 0;
@@ -148,14 +156,20 @@ static mm_err *op_run(mm_op *op, dev_io *io, void *stream) {
   return mm_backend_cuda.execute(op, 0, &e);
 }
 
-static void reference(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
-                      const int32_t *ids, const float *w, uint16_t *out) {
+/* The CPU expectation; clamp = model.activation-clamp (0: none). */
+static void reference_clamped(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
+                              const int32_t *ids, const float *w, float clamp, uint16_t *out) {
   int32_t *clean = malloc(sizeof(int32_t) * ((size_t)T * s->K + 1));
   for (int i = 0; i < T * s->K; i++) clean[i] = ids[i] >= 0 && ids[i] < s->E ? ids[i] : -1;
-  mm_ref_layer_args a = {T, s->H, s->I, s->K, s->E, 0, s->E, ex, x, clean, w, 2.5f, 0.0f, 0,
+  mm_ref_layer_args a = {T, s->H, s->I, s->K, s->E, 0, s->E, ex, x, clean, w, 2.5f, clamp, 0,
                          out, NULL};
   CHECK_OK(mm_ref_moe_layer(&a));
   free(clean);
+}
+
+static void reference(const layer_shape *s, const mm_expert_q *ex, int T, const uint16_t *x,
+                      const int32_t *ids, const float *w, uint16_t *out) {
+  reference_clamped(s, ex, T, x, ids, w, 0.0f, out);
 }
 
 #endif

@@ -190,7 +190,7 @@ static void test_graph_replay_ranks(void) {
                 want);
       double rel = rel_frob(c.eager + b * G * s->H, want, G * s->H);
       printf("# batch %d: rel %.2e vs reference\n", b, rel);
-      CHECK(rel <= backend_tolerance(s->gran));
+      CHECK(rel <= backend_tolerance(s->gran, s->cm));
     }
   }
   unsetenv("MEGAMOE_EP_TRANSPORT");
@@ -325,7 +325,7 @@ static void test_withheld_execute(void) {
     reference(s, ex, G, x, ids, w, want);
     double rel = rel_frob(out, want, (size_t)G * s->H);
     printf("# recovery step: rel %.2e vs reference\n", rel);
-    CHECK(rel <= backend_tolerance(s->gran));
+    CHECK(rel <= backend_tolerance(s->gran, s->cm));
     pthread_barrier_destroy(&c.barrier);
     pthread_mutex_destroy(&c.lock);
   }

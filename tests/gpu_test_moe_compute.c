@@ -1,5 +1,5 @@
 /* gpu_test_moe_compute.c -- the sm90 fused expert compute against the CPU
- * reference (ref_moe.h) on fresh random data: all three weight modes, both
+ * reference (ref_moe.h) on fresh random data: all four weight modes, both
  * implementations (WGMMA product path, CUDA-core path), several pool shapes
  * (M not a multiple of any tile, empty experts, one expert holding every row,
  * E_loc 1..32), an activation clamp, extreme UE8M0 exponents. Outputs and the
@@ -20,12 +20,13 @@ typedef struct {
   const int *counts; /* NULL: random 0..max_rand */
   int max_rand;
   float clamp;
-  int extreme; /* mode 1: wide exponent spread */
+  int extreme; /* modes 1 / 4: wide exponent spread */
   int exact;   /* sums exact in any accumulator: x in {0, +-1}, unit scales */
+  int lead;    /* pool rows start at offsets[0] = lead (rows before it: not ours) */
 } shape;
 
 static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int extreme, int exact) {
-  const int gran = mode == MM_WMODE_G32_FP8 ? 32 : 16;
+  const int gran = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G32_F16_EXACT ? 32 : 16;
   mm_qmat *ms[2] = {&x->w13, &x->w2};
   const int rows[2] = {2 * I, H}, cols[2] = {H, I};
   for (int j = 0; j < 2; j++) {
@@ -84,26 +85,36 @@ static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, 
 }
 
 /* The reference intermediate of ref_moe.h for one expert's rows: FP8 codes
- * [m, I] and scales [m, I/128] (same formulas, float64 dots). */
+ * [m, I] and scales [m, I/128] (same formulas, float64 dots), and for every
+ * (row, channel) the gate/up dots before the row factor (g, u) and their
+ * magnitude sums sum_k |x_k w_k| (ga, ua), which bound any accumulation
+ * order's error. */
+typedef struct {
+  double *g, *u, *ga, *ua; /* [rows][I] */
+} l1_dots;
+
 static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, const float *xs,
-                             const float *rw, float clamp, uint8_t *aq, float *as) {
+                             const float *rw, float clamp, uint8_t *aq, float *as, l1_dots *d) {
   const int H = e->w13.cols, I = e->w2.cols, KB = H / 128;
   double *x = malloc(sizeof(double) * H);
-  float *a = malloc(sizeof(float) * I), *wg = malloc(sizeof(float) * H), *wu = malloc(sizeof(float) * H);
+  float *a = malloc(sizeof(float) * I);
   for (int i = 0; i < m; i++) {
     for (int k = 0; k < H; k++)
       x[k] = (double)mm_e4m3_to_float(xq[(size_t)i * H + k]) * xs[(size_t)i * KB + k / 128];
     for (int c = 0; c < I; c++) {
-      double g = 0, u = 0;
+      double g = 0, u = 0, ga = 0, ua = 0;
       for (int k = 0; k < H; k++) {
-        g += x[k] * (double)mm_qmat_weight(&e->w13, c, k);
-        u += x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+        const double pg = x[k] * (double)mm_qmat_weight(&e->w13, c, k);
+        const double pu = x[k] * (double)mm_qmat_weight(&e->w13, I + c, k);
+        g += pg, u += pu, ga += fabs(pg), ua += fabs(pu);
       }
+      const size_t o = (size_t)i * I + c;
+      d->g[o] = g, d->u[o] = u, d->ga[o] = ga, d->ua[o] = ua;
       float gf = mm_round_bf16((float)(g * e->w13.row_scale[c]));
       float uf = mm_round_bf16((float)(u * e->w13.row_scale[I + c]));
       if (clamp > 0) {
-        gf = fminf(gf, clamp);
-        uf = fminf(fmaxf(uf, -clamp), clamp);
+        gf = mm_clamp_gate(gf, clamp);
+        uf = mm_clamp_up(uf, clamp);
       }
       a[c] = mm_swiglu_weighted(gf, uf, rw[i]);
     }
@@ -112,35 +123,77 @@ static void ref_intermediate(const mm_expert_q *e, int m, const uint8_t *xq, con
   }
   free(x);
   free(a);
-  free(wg);
-  free(wu);
 }
 
-/* Intermediate check: every FP8 code within one step of the reference (a
- * rounding flip), few flips, scales within 1e-3. */
-static void check_intermediate(const uint8_t *gq, const float *gs, const uint8_t *rq,
-                               const float *rs, int rows, int I, const char *what,
-                               double max_far_frac, double max_flip_frac, double max_scale_rel) {
-  size_t flips = 0, far = 0, n = (size_t)rows * I;
+/* Whether the GPU's FP8 code q for (row i, channel c) is one a correct kernel
+ * can produce: the reference path re-run with the gate and up dots moved by
+ * up to tau * sum|x w| (any summation order's error bound, tau per path),
+ * the value scaled by the GPU's own block scale and moved by 2^-20 (expf and
+ * reciprocal ulps). So only codes at rounding near-ties may differ. */
+static int code_explained(const mm_expert_q *e, const l1_dots *d, size_t o, int c, float rw,
+                          float clamp, float gpu_scale, double tau, uint8_t q) {
+  const int I = e->w2.cols;
+  for (int gi = -1; gi <= 1; gi++)
+    for (int ui = -1; ui <= 1; ui++) {
+      float gf = mm_round_bf16((float)((d->g[o] + gi * tau * d->ga[o]) * e->w13.row_scale[c]));
+      float uf = mm_round_bf16((float)((d->u[o] + ui * tau * d->ua[o]) * e->w13.row_scale[I + c]));
+      if (clamp > 0) {
+        gf = mm_clamp_gate(gf, clamp);
+        uf = mm_clamp_up(uf, clamp);
+      }
+      const double v = (double)mm_swiglu_weighted(gf, uf, rw) / gpu_scale;
+      for (int vi = -1; vi <= 1; vi++)
+        if (mm_float_to_e4m3((float)(v * (1.0 + vi * 0x1p-20))) == q) return 1;
+    }
+  return 0;
+}
+
+/* Intermediate check: every FP8 code equals the reference's or is explained
+ * by a rounding near-tie (code_explained); block scales within scale_rel. */
+static void check_intermediate(const mm_expert_q *ex, const int *offs, int E, const l1_dots *d,
+                               const float *rw, float clamp, double tau, const uint8_t *gq,
+                               const float *gs, const uint8_t *rq, const float *rs, int I,
+                               const char *what, double scale_rel) {
+  size_t diff = 0, unexplained = 0, n = (size_t)offs[E] * I;
   double smax = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (gq[i] == rq[i]) continue;
-    float a = mm_e4m3_to_float(gq[i]), b = mm_e4m3_to_float(rq[i]);
-    /* adjacent codes of the same sign (or +-0 / smallest subnormal) */
-    int adj = (abs((int)(gq[i] & 0x7F) - (int)(rq[i] & 0x7F)) == 1 && ((gq[i] ^ rq[i]) & 0x80) == 0) ||
-              (fabsf(a) <= 0.001953125f && fabsf(b) <= 0.001953125f);
-    if (adj) flips++;
-    else far++;
+  for (int e = 0; e < E; e++)
+    for (int i = offs[e]; i < offs[e + 1]; i++)
+      for (int c = 0; c < I; c++) {
+        const size_t o = (size_t)i * I + c;
+        if (gq[o] == rq[o]) continue;
+        diff++;
+        if (!code_explained(&ex[e], d, o, c, rw[i], clamp, gs[(size_t)i * (I / 128) + c / 128], tau,
+                            gq[o])) {
+          if (unexplained++ < 3)
+            printf("#   row %d channel %d: gpu code 0x%02x, reference 0x%02x, not a near-tie\n", i, c,
+                   gq[o], rq[o]);
+        }
+      }
+  for (size_t i = 0; i < (size_t)offs[E] * (I / 128); i++) {
+    double r = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
+    if (r > smax) smax = r;
   }
-  for (size_t i = 0; i < (size_t)rows * (I / 128); i++) {
-    double d = fabs((double)gs[i] - rs[i]) / fmax(fabs((double)rs[i]), 1e-30);
-    if (d > smax) smax = d;
+  printf("#   %s intermediate: %zu of %zu FP8 codes differ from the reference, %zu not at a "
+         "rounding near-tie (tau %.1e); scale max rel %.2e\n",
+         what, diff, n, unexplained, tau, smax);
+  CHECK_EQ_INT(unexplained, 0);
+  CHECK(smax <= scale_rel);
+}
+
+/* L2 of the reference from a given intermediate (the GPU's): isolates L2. */
+static void ref_l2(const mm_expert_q *e, int m, const uint8_t *aq, const float *as, uint16_t *out) {
+  const int H = e->w2.rows, I = e->w2.cols;
+  double *x = malloc(sizeof(double) * I);
+  for (int i = 0; i < m; i++) {
+    for (int c = 0; c < I; c++)
+      x[c] = (double)mm_e4m3_to_float(aq[(size_t)i * I + c]) * as[(size_t)i * (I / 128) + c / 128];
+    for (int h = 0; h < H; h++) {
+      double acc = 0;
+      for (int c = 0; c < I; c++) acc += x[c] * (double)mm_qmat_weight(&e->w2, h, c);
+      out[(size_t)i * H + h] = mm_float_to_bf16((float)(acc * (double)e->w2.row_scale[h]));
+    }
   }
-  printf("#   %s intermediate: %zu of %zu FP8 codes one step off, %zu further; scale max rel %.2e\n",
-         what, flips, n, far, smax);
-  CHECK(far <= (size_t)(max_far_frac * (double)n));
-  CHECK(flips <= (size_t)(max_flip_frac * (double)n) + 2);
-  CHECK(smax <= max_scale_rel);
+  free(x);
 }
 
 static int g_have_wgmma_fail = 0;
@@ -148,12 +201,14 @@ static int g_have_wgmma_fail = 0;
 static void run_case(mm_weight_mode mode, const shape *s) {
   const int H = s->H, I = s->I, E = s->E;
   int counts[64], offs[65];
-  offs[0] = 0;
+  offs[0] = s->lead;
   for (int e = 0; e < E; e++) {
     counts[e] = s->counts ? s->counts[e] : (int)(mm_test_rand_u64() % (uint64_t)(s->max_rand + 1));
     offs[e + 1] = offs[e] + counts[e];
   }
-  const int Mused = offs[E], M = Mused + 3; /* capacity beyond the pool */
+  /* rows [0, lead) and [Mused, M): capacity outside the pool, must stay poisoned
+   * (mode 2 stages its F16 copy of x in out) */
+  const int lead = s->lead, Mused = offs[E], M = Mused + 3;
   const int KB = H / 128;
   mm_expert_q *ex = calloc((size_t)E, sizeof(*ex));
   for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, s->extreme, s->exact);
@@ -184,11 +239,19 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   uint8_t *rq = malloc((size_t)M * I + 1), *gq = malloc((size_t)M * I + 1);
   float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
         *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
+  uint16_t *ref2 = malloc(2 * (size_t)M * H);
+  l1_dots dots;
+  const size_t nd = (size_t)M * I + 1;
+  dots.g = malloc(sizeof(double) * nd), dots.u = malloc(sizeof(double) * nd);
+  dots.ga = malloc(sizeof(double) * nd), dots.ua = malloc(sizeof(double) * nd);
   if (mode != MM_WMODE_G16_FP8) /* mode 3 computes with folded weights */
-    for (int e = 0; e < E; e++)
+    for (int e = 0; e < E; e++) {
+      const size_t o = (size_t)offs[e] * I;
+      l1_dots de = {dots.g + o, dots.u + o, dots.ga + o, dots.ua + o};
       ref_intermediate(&ex[e], counts[e], xq + (size_t)offs[e] * H, xs + (size_t)offs[e] * KB,
                        rw + offs[e], s->clamp, rq + (size_t)offs[e] * I,
-                       rsc + (size_t)offs[e] * (I / 128));
+                       rsc + (size_t)offs[e] * (I / 128), &de);
+    }
   mm_sm90_layer *L = NULL;
   mm_err *err = mm_sm90_layer_create(ex, E, mode, NULL, &L);
   CHECK_OK(err);
@@ -223,36 +286,49 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK_OK(err);
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
-      /* Mode 1 on FP8 WGMMA (QGMMA): the FP8 tensor cores add with about 14
-       * bits (DeepSeek-V3 sec. 3.3) between the FP32 promotions every 128 K,
-       * relative to the largest partial sum, so after cancellation single L1
-       * outputs are off by up to ~0.5% on random data; the FP8 requant turns
-       * that into one-step code flips and the output lands at a few 1e-3
-       * relative (DeepGEMM's kernels behave the same). Promoting every k32
-       * step only halved it (measured). Exact-sum data pins the decode: there
-       * the intermediate must match bit for bit. CUDA-core path and mode 2
-       * (F16 MMAs, exact products, FP32 accumulation): 1e-3. */
-      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3
-                         : (mode == MM_WMODE_G32_FP8 && path == MM_SM90_PATH_WGMMA && !s->exact)
-                             ? 1e-2
-                             : 1e-3;
+      /* What "within 1e-3 of the reference computed from the same quantized
+       * inputs" means here, in two exact checks and one sanity bound:
+       * 1. L1 + SwiGLU + requant: every FP8 code of the intermediate equals
+       *    the float64 reference's, or differs only at a rounding near-tie
+       *    (code_explained). A single such flip moves the final output of a
+       *    small case by ~1e-3 on its own, so the end-to-end error is not
+       *    the right gauge of L1.
+       * 2. L2: the output within 1e-3 of the reference L2 applied to the
+       *    GPU's own intermediate.
+       * 3. End to end against the full reference: printed, bounded loosely.
+       * tau, the accumulation error allowed in L1 relative to sum |x w|:
+       * FP32 accumulation (CUDA cores; F16 HGMMA: modes 2 and 4) 2^-16; FP8
+       * QGMMA (mode 1), which adds with about 14 bits between the FP32
+       * promotions every 128 K (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum
+       * data 0. */
+      const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8;
+      const double tau = s->exact ? 0.0 : qg ? 0x1p-10 : 0x1p-16;
+      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3 : 5e-2;
       int nan_rows;
-      double rel = rel_frob(got, ref, Mused, H, &nan_rows);
-      printf("# mode %d %s H %d I %d E %d M %d clamp %g%s: rel %.3e (tol %.1e) nan rows %d\n",
-             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, Mused,
+      double rel = rel_frob(got + (size_t)lead * H, ref + (size_t)lead * H, Mused - lead, H,
+                            &nan_rows);
+      printf("# mode %d %s H %d I %d E %d M %d (rows %d..%d) clamp %g%s: end-to-end rel %.3e "
+             "(bound %.1e) nan rows %d\n",
+             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, M, lead, Mused,
              (double)s->clamp, s->extreme ? " extreme" : "", rel, tol, nan_rows);
       CHECK(nan_rows == 0);
       CHECK(rel <= tol);
-      for (int i = Mused; i < M; i++) CHECK(got[(size_t)i * H] == 0xFFFF && got[(size_t)i * H + H - 1] == 0xFFFF);
+      size_t touched = 0; /* outside the pool: still the poison */
+      for (int i = 0; i < M; i++)
+        for (int c = 0; (i < lead || i >= Mused) && c < H; c++) touched += got[(size_t)i * H + c] != 0xFFFF;
+      CHECK_MSG(touched == 0, "%zu values outside the pool rows were written", touched);
       if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
         CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
-        /* exact-sum data: L1 is exact on every path (only expf ulps can
-         * flip an FP8 rounding); FP8 WGMMA otherwise carries the tensor-core
-         * accumulation error (see above) */
-        const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8 && !s->exact;
-        check_intermediate(gq, gsc, rq, rsc, Mused, I, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma",
-                           qg ? 1e-3 : 0.0, qg ? 0.02 : (s->exact ? 0.002 : 0.01),
-                           qg ? 2e-2 : 1e-6);
+        check_intermediate(ex, offs, E, &dots, rw, s->clamp, tau, gq, gsc, rq, rsc, I,
+                           path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", qg && !s->exact ? 2e-2 : 1e-6);
+        for (int e = 0; e < E; e++)
+          ref_l2(&ex[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
+                 ref2 + (size_t)offs[e] * H);
+        int nan2;
+        double rel2 = rel_frob(got + (size_t)lead * H, ref2 + (size_t)lead * H, Mused - lead, H, &nan2);
+        printf("#   %s L2 from the GPU's intermediate: rel %.3e (tol 1.0e-03)\n",
+               path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", rel2);
+        CHECK(rel2 <= 1e-3);
       }
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
@@ -279,6 +355,8 @@ done:
   free(gq);
   free(rsc);
   free(gsc);
+  free(ref2);
+  free(dots.g), free(dots.u), free(dots.ga), free(dots.ua);
 }
 
 static const int k_counts_a[] = {5, 0, 70};
@@ -287,35 +365,43 @@ static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
 
 static const shape k_shapes[] = {
-    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0},
-    {512, 256, 1, k_counts_one, 0, 0.0f, 0, 0},
-    {256, 128, 4, k_counts_all, 0, 3.0f, 0, 0},
-    {256, 128, 32, NULL, 9, 0.0f, 0, 0},
-    {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0},
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
+    {512, 256, 1, k_counts_one, 0, 0.0f, 0, 0, 0},
+    {256, 128, 4, k_counts_all, 0, 3.0f, 0, 0, 0},
+    {256, 128, 32, NULL, 9, 0.0f, 0, 0, 0},
+    {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0, 0},
+    {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 37},
 };
 
 static void test_mode(mm_weight_mode mode) {
   /* MEGAMOE_TEST_QUICK (sanitizer runs): two shapes per mode */
   const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
-    if (!quick || i == 0 || i == 3) run_case(mode, &k_shapes[i]);
+    if (!quick || i == 0 || i == 3 || i == 5) run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
 static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
+static void test_mode4_g32_f16_exact(void) { test_mode(MM_WMODE_G32_F16_EXACT); }
 static void test_mode1_extreme_exponents(void) {
-  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0};
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
   run_case(MM_WMODE_G32_FP8, &s);
+}
+static void test_mode4_extreme_exponents(void) {
+  const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};
+  run_case(MM_WMODE_G32_F16_EXACT, &s);
 }
 
 /* Decode pinned down: x in {0, +-1}, unit group scales, so every L1 sum is
  * exact in any accumulator; the intermediate must match bit for bit. */
 static void test_exact_sums(void) {
-  const shape s1 = {512, 256, 2, k_counts_a, 0, 0.0f, 0, 1};
+  const shape s1 = {512, 256, 2, k_counts_a, 0, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s1);
-  const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1};
+  const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s2);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s1);
+  run_case(MM_WMODE_G32_F16_EXACT, &s2);
 }
 
 static void test_bad_args(void) {
@@ -327,6 +413,14 @@ static void test_bad_args(void) {
   CHECK_ERR(mm_sm90_layer_create(&ex, 1, MM_WMODE_G16_BF16_EXACT, NULL, &L),
             MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK(L == NULL);
+  mm_expert_q e16;
+  memset(&e16, 0, sizeof(e16));
+  make_expert(&e16, 256, 128, MM_WMODE_G16_BF16_EXACT, 0, 0);
+  CHECK_ERR(mm_sm90_layer_create(&e16, 1, MM_WMODE_G32_F16_EXACT, NULL, &L),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK(L == NULL);
+  mm_qmat_free(&e16.w13);
+  mm_qmat_free(&e16.w2);
   CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
   if (L) {
     mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL};
@@ -344,7 +438,9 @@ int main(void) {
   RUN(test_mode1_g32);
   RUN(test_mode2_g16_exact);
   RUN(test_mode3_g16_fp8);
+  RUN(test_mode4_g32_f16_exact);
   RUN(test_mode1_extreme_exponents);
+  RUN(test_mode4_extreme_exponents);
   RUN(test_exact_sums);
   return mm_test_done();
 }

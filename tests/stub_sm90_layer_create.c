@@ -40,8 +40,8 @@ static void fill(mm_qmat *m, int g32) {
 int main(void) {
   const int H = 512, I = 256;
   int bad = 0;
-  for (int E = 1; E <= 5; E++) for (int mode = 1; mode <= 3; mode++) for (fail_pinned = 0; fail_pinned < 2; fail_pinned++) {
-    int g32 = mode == 1;
+  for (int E = 1; E <= 5; E++) for (int mode = 1; mode <= 4; mode++) for (fail_pinned = 0; fail_pinned < 2; fail_pinned++) {
+    int g32 = mode == 1 || mode == 4;
     mm_expert_q *x = calloc(E, sizeof *x);
     for (int e = 0; e < E; e++) {
       mm_qmat_alloc(&x[e].w13, 2 * I, H, g32 ? 32 : 16, g32 ? MM_SF_UE8M0 : MM_SF_E4M3); fill(&x[e].w13, g32);

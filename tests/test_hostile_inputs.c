@@ -14,7 +14,6 @@
  * end, overlapping tensors, a missing expert, gate/up of different shapes, a
  * NaN scale byte, a tensor in two shards, a FIFO instead of a file (must not
  * hang). docs/RELIABILITY.md lists these cases. */
-#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -27,12 +26,12 @@
 #include "megamoe_plugin.h"
 #include "safetensors.h"
 
+enum { H = 128, I = 128, E = 4, K = 2, TP = 16 };
+#include "abi_fixture.h"
+
 static megamoe_plugin_init_v1_fn g_init;
-static const megamoe_op_api *g_api;
 static megamoe_plugin_init_args g_init_out;
 static char g_plugin_path[2048], g_tmp[256];
-
-enum { H = 128, I = 128, E = 4, K = 2, TP = 16, NT = E * 12 };
 
 static const char *kConfig =
     "schema-version: 1\n"
@@ -43,21 +42,12 @@ static const char *kConfig =
     "log-level: error\n";
 
 /* ---- plugin ------------------------------------------------------------------ */
-static void log_sink(void *ctx, megamoe_log_level level, const char *msg) {}
-static int on_register(void *ctx, const megamoe_op_registration *reg) {
-  if (reg && reg->name && strcmp(reg->name, "megamoe_fp4") == 0) g_api = reg->api;
-  return 0;
-}
-static megamoe_host_services g_services = {MEGAMOE_HOST_SERVICES_STRUCT_SIZE, NULL, NULL,
-                                           log_sink, NULL, NULL, NULL, NULL, on_register};
+static megamoe_host_services g_services;
 
 static megamoe_error *plugin_init(void) {
-  memset(&g_init_out, 0, sizeof g_init_out);
-  g_init_out.struct_size = MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE;
-  g_init_out.host_abi_major = MEGAMOE_ABI_MAJOR;
-  g_init_out.host_abi_minor = MEGAMOE_ABI_MINOR;
-  g_init_out.services = &g_services;
-  return g_init(&g_init_out);
+  g_services = mmfx_services();
+  return mmfx_init_with(g_init, &g_services, MEGAMOE_ABI_MAJOR, MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE,
+                        &g_init_out);
 }
 
 /* Fails the case unless e has `code` and its message contains `needle`. */
@@ -78,147 +68,21 @@ static megamoe_error *plugin_init(void) {
     }                                                                                          \
   } while (0)
 
-/* ---- the tiny model ----------------------------------------------------------------- */
-typedef struct {
-  uint8_t codes[3][H * I / 2];
-  uint8_t scales[3][H * I / 16];
-  float global[3], input_scale;
-} raw_expert;
-static raw_expert g_raw[E];
-static int64_t g_shapes[NT][2];
-static DLTensor g_dl[NT];
-static megamoe_named_tensor g_nt[NT];
-static char g_names[NT][64];
-static const char *kProj[3] = {"gate", "up", "down"};
-static const char *kField[4] = {"weight", "weight_scale", "weight_scale_2", "input_scale"};
-
-static int tensor_index(int e, int p, int s) { return (e * 3 + p) * 4 + s; }
-
-static void make_model(void) {
-  for (int e = 0; e < E; e++)
-    for (int p = 0; p < 3; p++) {
-      for (size_t i = 0; i < sizeof g_raw[e].codes[p]; i++)
-        g_raw[e].codes[p][i] = (uint8_t)mm_test_rand_u64();
-      for (size_t i = 0; i < sizeof g_raw[e].scales[p]; i++)
-        g_raw[e].scales[p][i] = (uint8_t)(0x28 + mm_test_rand_u64() % 0x28);
-      g_raw[e].global[p] = mm_test_uniform(0.002f, 0.02f);
-      g_raw[e].input_scale = 1.0f;
-      int rows = p == 2 ? H : I, cols = p == 2 ? I : H;
-      for (int s = 0; s < 4; s++) {
-        int n = tensor_index(e, p, s);
-        DLTensor *t = &g_dl[n];
-        memset(t, 0, sizeof *t);
-        t->device.device_type = kDLCPU;
-        t->shape = g_shapes[n];
-        if (s == 0) {
-          g_shapes[n][0] = rows, g_shapes[n][1] = cols / 2, t->ndim = 2;
-          t->dtype = (DLDataType){kDLUInt, 8, 1};
-          t->data = g_raw[e].codes[p];
-        } else if (s == 1) {
-          g_shapes[n][0] = rows, g_shapes[n][1] = cols / 16, t->ndim = 2;
-          t->dtype = (DLDataType){MEGAMOE_DL_FLOAT8_E4M3FN, 8, 1};
-          t->data = g_raw[e].scales[p];
-        } else {
-          t->ndim = 0;
-          t->dtype = (DLDataType){kDLFloat, 32, 1};
-          t->data = s == 2 ? &g_raw[e].global[p] : &g_raw[e].input_scale;
-        }
-        snprintf(g_names[n], sizeof g_names[n], "experts.%d.%s_proj.%s", e, kProj[p], kField[s]);
-        g_nt[n].name = g_names[n];
-        g_nt[n].tensor = t;
-      }
-    }
-}
-
 /* ---- API helpers -------------------------------------------------------------------- */
 static megamoe_op *create_op(megamoe_error **err) {
-  megamoe_op_create_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE;
-  a.config_text = kConfig;
-  a.config_name = "hostile.yaml";
-  a.device = -1;
-  *err = g_api->create(&a);
-  return a.op;
+  megamoe_op *op;
+  *err = mmfx_create(kConfig, "hostile.yaml", &op);
+  return op;
 }
-static megamoe_error *prepare_n(megamoe_op *op, int layer, const megamoe_named_tensor *nt,
-                                size_t n) {
-  megamoe_op_prepare_args p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
-  p.op = op;
-  p.layer = layer;
-  p.tensors = nt;
-  p.num_tensors = n;
-  return g_api->prepare_weights(&p);
-}
-static megamoe_error *prepare(megamoe_op *op, int layer) { return prepare_n(op, layer, g_nt, NT); }
-static megamoe_error *plan(megamoe_op *op, int tokens) {
-  megamoe_op_plan_args p = {MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, NULL, op, tokens, NULL, 0, 0};
-  return g_api->plan(&p);
-}
-static megamoe_error *destroy(megamoe_op *op) {
-  megamoe_op_destroy_args d = {MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, NULL, op};
-  return g_api->destroy(&d);
-}
-static megamoe_error *info(megamoe_op *op, megamoe_op_info_args *out) {
-  memset(out, 0, sizeof *out);
-  out->struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  out->op = op;
-  return g_api->get_info(out);
-}
-static megamoe_error *check(megamoe_op *op, int wait) {
-  megamoe_op_check_args c;
-  memset(&c, 0, sizeof c);
-  c.struct_size = MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE;
-  c.op = op;
-  c.wait = wait;
-  return g_api->check(&c);
-}
+static megamoe_error *prepare(megamoe_op *op, int layer) { return mmfx_prepare(op, layer, mmfx_nt, MMFX_NT); }
 static int layers_ready(megamoe_op *op) {
   megamoe_op_info_args in;
-  megamoe_error *e = info(op, &in);
+  megamoe_error *e = mmfx_info(op, &in);
   if (e) {
     megamoe_error_destroy(e);
     return -1;
   }
   return in.num_layers_ready;
-}
-
-/* Execute tensors over caller buffers. */
-typedef struct {
-  DLTensor h, ids, w, out;
-  int64_t sh[4][2];
-} io_t;
-static DLTensor t2(void *data, int64_t *sh, int64_t a, int64_t b, DLDataType ty) {
-  DLTensor t;
-  memset(&t, 0, sizeof t);
-  sh[0] = a;
-  sh[1] = b;
-  t.data = data;
-  t.ndim = 2;
-  t.shape = sh;
-  t.dtype = ty;
-  t.device.device_type = kDLCPU;
-  return t;
-}
-static void io_init(io_t *io, int T, uint16_t *hid, int32_t *ids, float *w, uint16_t *out) {
-  io->h = t2(hid, io->sh[0], T, H, (DLDataType){kDLBfloat, 16, 1});
-  io->ids = t2(ids, io->sh[1], T, K, (DLDataType){kDLInt, 32, 1});
-  io->w = t2(w, io->sh[2], T, K, (DLDataType){kDLFloat, 32, 1});
-  io->out = t2(out, io->sh[3], T, H, (DLDataType){kDLBfloat, 16, 1});
-}
-static megamoe_error *execute(megamoe_op *op, int layer, const io_t *io) {
-  megamoe_op_execute_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE;
-  a.op = op;
-  a.layer = layer;
-  a.hidden = &io->h;
-  a.topk_ids = &io->ids;
-  a.topk_weights = &io->w;
-  a.out = &io->out;
-  return g_api->execute(&a);
 }
 
 /* A reference batch: random tokens, distinct experts, computed once by a
@@ -240,20 +104,20 @@ static void make_reference(void) {
   megamoe_op *op = create_op(&err);
   CHECK_OK(err);
   CHECK_OK(prepare(op, 0));
-  CHECK_OK(plan(op, TP));
-  io_t io;
-  io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, g_ref_out);
-  CHECK_OK(execute(op, 0, &io));
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_plan(op, TP));
+  mmfx_io io;
+  mmfx_io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, g_ref_out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* The op still works: the reference batch gives the reference bits. */
 static void check_still_works(megamoe_op *op) {
   static uint16_t out[TP * H];
   memset(out, 0xFF, sizeof out);
-  io_t io;
-  io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
-  CHECK_OK(execute(op, 0, &io));
+  mmfx_io io;
+  mmfx_io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   CHECK(memcmp(out, g_ref_out, sizeof out) == 0);
 }
 
@@ -263,7 +127,7 @@ static megamoe_op *ready_op(void) {
   CHECK_OK(err);
   if (!op) return NULL;
   CHECK_OK(prepare(op, 0));
-  CHECK_OK(plan(op, TP));
+  CHECK_OK(mmfx_plan(op, TP));
   return op;
 }
 
@@ -286,10 +150,10 @@ static void test_duplicate_ids(void) {
     float w3[T * K] = {a, b, a, 0.5f, 7.0f, b};
     memcpy(ids, i3, sizeof ids);
     memcpy(w, w3, sizeof w);
-    io_t io;
-    io_init(&io, T, hid, ids, w, out);
+    mmfx_io io;
+    mmfx_io_init(&io, T, hid, ids, w, out);
     memset(out, 0xFF, sizeof out);
-    CHECK_OK(execute(op, 0, &io));
+    CHECK_OK(mmfx_execute_io(op, 0, &io));
     int bad = 0;
     for (int c = 0; c < H; c++) {
       float want = mm_bf16_to_float(out[H + c]) + mm_bf16_to_float(out[2 * H + c]);
@@ -298,27 +162,39 @@ static void test_duplicate_ids(void) {
     CHECK_MSG(bad == 0, "expert %d: %d channels differ from the sum of the two slots", e, bad);
     uint16_t again[T * H];
     io.out.data = again;
-    CHECK_OK(execute(op, 0, &io));
+    CHECK_OK(mmfx_execute_io(op, 0, &io));
     CHECK(memcmp(again, out, sizeof out) == 0);
   }
   /* A token whose every slot is the same expert, and all-masked tokens. */
   int32_t ids2[2 * K] = {1, 1, -1, -1};
   float w2[2 * K] = {0.5f, 0.5f, 1.0f, 1.0f};
-  io_t io;
-  io_init(&io, 2, hid, ids2, w2, out);
+  mmfx_io io;
+  mmfx_io_init(&io, 2, hid, ids2, w2, out);
   memset(out, 0xFF, sizeof out);
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   int nonzero = 0;
   for (int c = 0; c < H; c++) nonzero += out[H + c] != 0;
   CHECK_MSG(nonzero == 0, "an all-masked token must give +0, %d channels differ", nonzero);
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 static int row_all_nan(const uint16_t *row) {
   for (int c = 0; c < H; c++)
     if (!isnan(mm_bf16_to_float(row[c]))) return 0;
   return 1;
+}
+
+/* Copies the first T tokens of the reference batch into hid/ids/w and runs
+ * them into clean_out: the clean batch a poisoned copy is compared with. */
+static void run_clean_prefix(megamoe_op *op, int T, uint16_t *hid, int32_t *ids, float *w,
+                             uint16_t *clean_out) {
+  memcpy(hid, g_ref_hid, sizeof hid[0] * (size_t)T * H);
+  memcpy(ids, g_ref_ids, sizeof ids[0] * (size_t)T * K);
+  memcpy(w, g_ref_w, sizeof w[0] * (size_t)T * K);
+  mmfx_io io;
+  mmfx_io_init(&io, T, hid, ids, w, clean_out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
 }
 
 /* NaN / Inf in hidden states or top-k weights: defined as "the token's output
@@ -333,13 +209,9 @@ static void test_nan_inf_inputs(void) {
   static uint16_t hid[T * H], out[T * H], out2[T * H], clean_out[T * H];
   int32_t ids[T * K];
   float w[T * K];
-  memcpy(hid, g_ref_hid, sizeof hid);
-  memcpy(ids, g_ref_ids, sizeof ids);
-  memcpy(w, g_ref_w, sizeof w);
-  io_t io;
-  io_init(&io, T, hid, ids, w, clean_out);
-  CHECK_OK(execute(op, 0, &io));
+  run_clean_prefix(op, T, hid, ids, w, clean_out);
   CHECK(memcmp(clean_out, g_ref_out, sizeof clean_out) == 0); /* a prefix of the reference */
+  mmfx_io io;
   const int c1 = (int)(mm_test_rand_u64() % H);
   hid[1 * H + c1] = 0x7FC0;               /* NaN */
   hid[2 * H + c1] = 0x7F80;               /* +Inf */
@@ -350,9 +222,9 @@ static void test_nan_inf_inputs(void) {
   ids[7 * K + 1] = -1, w[7 * K + 1] = NAN; /* NaN weight on a masked slot: ignored */
   hid[8 * H + c1] = 0x7FC0;               /* NaN hidden, every slot masked: +0 */
   ids[8 * K] = ids[8 * K + 1] = -1;
-  io_init(&io, T, hid, ids, w, out);
+  mmfx_io_init(&io, T, hid, ids, w, out);
   memset(out, 0x55, sizeof out);
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   for (int t = 1; t <= 6; t++) CHECK_MSG(row_all_nan(out + t * H), "token %d is not all NaN", t);
   for (int c = 0; c < H; c++) {
     CHECK(out[8 * H + c] == 0);
@@ -362,20 +234,55 @@ static void test_nan_inf_inputs(void) {
   }
   io.out.data = out2;
   memset(out2, 0x33, sizeof out2);
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   CHECK(memcmp(out, out2, sizeof out) == 0); /* deterministic, NaN payloads included */
   /* Extremes that are finite: zeros and the largest BF16 values. */
   for (int c = 0; c < H; c++) hid[c] = 0, hid[H + c] = (c & 1) ? 0x7F7F : 0xFF7F;
   int32_t ids2[2 * K] = {0, 1, 2, 3};
   float w2[2 * K] = {0.5f, 0.5f, 0.5f, 0.5f};
-  io_init(&io, 2, hid, ids2, w2, out);
-  CHECK_OK(execute(op, 0, &io));
+  mmfx_io_init(&io, 2, hid, ids2, w2, out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   for (int c = 0; c < H; c++) CHECK(out[c] == 0 || out[c] == 0x8000); /* zero in, zero out */
   io.out.data = out2;
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   CHECK(memcmp(out, out2, 2 * H * 2) == 0);
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
+}
+
+/* The same with the SwiGLU clamp on: a NaN token stays NaN through the clamp
+ * (fminf / fmaxf would have made it +-clamp and the row finite). */
+static void test_nan_inf_with_clamp(void) {
+  static const char *cfg =
+      "schema-version: 1\n"
+      "backend: cpu-reference\n"
+      "model: {hidden-size: 128, moe-intermediate-size: 128, num-experts: 4, top-k: 2,\n"
+      "        activation-clamp: 0.5}\n"
+      "num-max-tokens-per-rank: 16\n"
+      "cpu: {threads: 1}\n"
+      "log-level: error\n";
+  megamoe_op *op;
+  CHECK_OK(mmfx_create(cfg, "clamp.yaml", &op));
+  if (!op) return;
+  CHECK_OK(prepare(op, 0));
+  CHECK_OK(mmfx_plan(op, TP));
+  enum { T = 5 };
+  uint16_t hid[T * H], out[T * H], clean_out[T * H];
+  int32_t ids[T * K];
+  float w[T * K];
+  run_clean_prefix(op, T, hid, ids, w, clean_out);
+  const int c1 = (int)(mm_test_rand_u64() % H);
+  hid[1 * H + c1] = 0x7FC0; /* NaN */
+  hid[2 * H + c1] = 0xFF80; /* -Inf */
+  w[3 * K] = INFINITY;      /* Inf weight on a live slot */
+  mmfx_io io;
+  mmfx_io_init(&io, T, hid, ids, w, out);
+  memset(out, 0x55, sizeof out);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  for (int t = 1; t <= 3; t++) CHECK_MSG(row_all_nan(out + t * H), "token %d is not all NaN", t);
+  CHECK(memcmp(out, clean_out, H * 2) == 0);
+  CHECK(memcmp(out + 4 * H, clean_out + 4 * H, H * 2) == 0);
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* NaN bytes and non-finite values in weights: refused at prepare with the
@@ -387,31 +294,31 @@ static void test_bad_weight_values(void) {
   static const uint8_t nan_scales[2] = {0x7F, 0xFF}; /* E4M3 NaN encodings */
   for (int i = 0; i < 2; i++) {
     int e = (int)(mm_test_rand_u64() % E), p = (int)(mm_test_rand_u64() % 3);
-    size_t at = mm_test_rand_u64() % sizeof g_raw[e].scales[p];
-    uint8_t saved = g_raw[e].scales[p][at];
-    g_raw[e].scales[p][at] = nan_scales[i];
+    size_t at = mm_test_rand_u64() % sizeof mmfx_raw[e].scales[p];
+    uint8_t saved = mmfx_raw[e].scales[p][at];
+    mmfx_raw[e].scales[p][at] = nan_scales[i];
     char name[64];
-    snprintf(name, sizeof name, "experts.%d.%s_proj.weight_scale", e, kProj[p]);
+    snprintf(name, sizeof name, "experts.%d.%s_proj.weight_scale", e, mmfx_proj[p]);
     CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, name);
     CHECK_ERR_MSG(prepare(op, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "NaN scale byte");
-    g_raw[e].scales[p][at] = saved;
+    mmfx_raw[e].scales[p][at] = saved;
   }
   static const float bad_globals[5] = {NAN, INFINITY, 0.0f, -0.01f, 3e38f};
   for (int i = 0; i < 5; i++) {
     int e = i % E, p = i % 3;
-    float saved = g_raw[e].global[p];
-    g_raw[e].global[p] = bad_globals[i];
+    float saved = mmfx_raw[e].global[p];
+    mmfx_raw[e].global[p] = bad_globals[i];
     char name[64];
-    snprintf(name, sizeof name, "experts.%d.%s_proj.weight_scale_2", e, kProj[p]);
+    snprintf(name, sizeof name, "experts.%d.%s_proj.weight_scale_2", e, mmfx_proj[p]);
     CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, name);
-    g_raw[e].global[p] = saved;
+    mmfx_raw[e].global[p] = saved;
   }
-  g_raw[2].input_scale = NAN;
+  mmfx_raw[2].input_scale = NAN;
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "input_scale");
-  g_raw[2].input_scale = 1.0f;
+  mmfx_raw[2].input_scale = 1.0f;
   CHECK_EQ_INT(layers_ready(op), 1); /* layer 0 only, from ready_op */
   check_still_works(op);             /* and it is still the good one */
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* Weight tensors with the wrong form: missing expert, gate/up of different
@@ -419,35 +326,35 @@ static void test_bad_weight_values(void) {
 static void test_bad_weight_tensors(void) {
   megamoe_op *op = ready_op();
   if (!op) return;
-  static megamoe_named_tensor nt[NT + 1];
+  static megamoe_named_tensor nt[MMFX_NT + 1];
   /* a missing expert (all its tensors) */
   size_t n = 0;
-  for (int i = 0; i < NT; i++)
-    if (i < tensor_index(2, 0, 0) || i >= tensor_index(3, 0, 0)) nt[n++] = g_nt[i];
-  CHECK_ERR_MSG(prepare_n(op, 0, nt, n), MEGAMOE_CODE_NOT_FOUND, "experts.2.gate_proj.weight: missing");
+  for (int i = 0; i < MMFX_NT; i++)
+    if (i < mmfx_tensor_index(2, 0, 0) || i >= mmfx_tensor_index(3, 0, 0)) nt[n++] = mmfx_nt[i];
+  CHECK_ERR_MSG(mmfx_prepare(op, 0, nt, n), MEGAMOE_CODE_NOT_FOUND, "experts.2.gate_proj.weight: missing");
   /* one missing tensor */
-  memcpy(nt, g_nt, sizeof g_nt);
-  nt[tensor_index(3, 2, 1)] = nt[NT - 1];
-  CHECK_ERR_MSG(prepare_n(op, 0, nt, NT - 1), MEGAMOE_CODE_NOT_FOUND, "experts.3.down_proj.weight_scale");
+  memcpy(nt, mmfx_nt, sizeof mmfx_nt);
+  nt[mmfx_tensor_index(3, 2, 1)] = nt[MMFX_NT - 1];
+  CHECK_ERR_MSG(mmfx_prepare(op, 0, nt, MMFX_NT - 1), MEGAMOE_CODE_NOT_FOUND, "experts.3.down_proj.weight_scale");
   /* gate and up of different shapes */
-  int64_t saved = g_shapes[tensor_index(1, 1, 0)][0];
-  g_shapes[tensor_index(1, 1, 0)][0] = I / 2;
+  int64_t saved = mmfx_shapes[mmfx_tensor_index(1, 1, 0)][0];
+  mmfx_shapes[mmfx_tensor_index(1, 1, 0)][0] = I / 2;
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "experts.1.up_proj.weight");
-  g_shapes[tensor_index(1, 1, 0)][0] = saved;
+  mmfx_shapes[mmfx_tensor_index(1, 1, 0)][0] = saved;
   /* the same tensor twice */
-  memcpy(nt, g_nt, sizeof g_nt);
-  nt[NT] = g_nt[5];
-  CHECK_ERR_MSG(prepare_n(op, 0, nt, NT + 1), MEGAMOE_CODE_INVALID_ARGUMENT, "given twice");
+  memcpy(nt, mmfx_nt, sizeof mmfx_nt);
+  nt[MMFX_NT] = mmfx_nt[5];
+  CHECK_ERR_MSG(mmfx_prepare(op, 0, nt, MMFX_NT + 1), MEGAMOE_CODE_INVALID_ARGUMENT, "given twice");
   /* wrong dtype, wrong shape */
-  DLTensor *t = &g_dl[tensor_index(0, 2, 1)];
+  DLTensor *t = &mmfx_dl[mmfx_tensor_index(0, 2, 1)];
   t->dtype = (DLDataType){kDLBfloat, 16, 1};
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "experts.0.down_proj.weight_scale");
   t->dtype = (DLDataType){MEGAMOE_DL_FLOAT8_E4M3FN, 8, 1};
-  g_shapes[tensor_index(0, 2, 0)][1] = I / 4;
+  mmfx_shapes[mmfx_tensor_index(0, 2, 0)][1] = I / 4;
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "experts.0.down_proj.weight");
-  g_shapes[tensor_index(0, 2, 0)][1] = I / 2;
+  mmfx_shapes[mmfx_tensor_index(0, 2, 0)][1] = I / 2;
   /* on a GPU while the op runs on the host; non-compact strides; lanes */
-  t = &g_dl[tensor_index(3, 0, 0)];
+  t = &mmfx_dl[mmfx_tensor_index(3, 0, 0)];
   t->device.device_type = kDLCUDA;
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "experts.3.gate_proj.weight");
   t->device.device_type = kDLCPU;
@@ -459,17 +366,17 @@ static void test_bad_weight_tensors(void) {
   CHECK_ERR_MSG(prepare(op, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "dtype");
   t->dtype.lanes = 1;
   /* a NULL tensor or name */
-  memcpy(nt, g_nt, sizeof g_nt);
+  memcpy(nt, mmfx_nt, sizeof mmfx_nt);
   nt[7].tensor = NULL;
-  CHECK_ERR(prepare_n(op, 0, nt, NT), MEGAMOE_CODE_INVALID_ARGUMENT);
-  nt[7] = g_nt[7];
+  CHECK_ERR(mmfx_prepare(op, 0, nt, MMFX_NT), MEGAMOE_CODE_INVALID_ARGUMENT);
+  nt[7] = mmfx_nt[7];
   nt[9].name = NULL;
-  CHECK_ERR(prepare_n(op, 0, nt, NT), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_prepare(op, 0, nt, MMFX_NT), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_EQ_INT(layers_ready(op), 1);
   check_still_works(op);
   CHECK_OK(prepare(op, 0)); /* the fixed tensors load again */
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 static void test_lifecycle_misuse(void) {
@@ -478,80 +385,80 @@ static void test_lifecycle_misuse(void) {
   CHECK_OK(err);
   if (!op) return;
   uint16_t out[TP * H];
-  io_t io;
-  io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "plan");
-  CHECK_OK(check(op, 1)); /* nothing pending before plan */
-  CHECK_OK(plan(op, TP));
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "no prepared weights");
+  mmfx_io io;
+  mmfx_io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "plan");
+  CHECK_OK(mmfx_check(op, 1)); /* nothing pending before plan */
+  CHECK_OK(mmfx_plan(op, TP));
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "no prepared weights");
   CHECK_OK(prepare(op, 0)); /* prepare after plan is allowed */
-  CHECK_ERR_MSG(execute(op, 1, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "layer 1");
-  CHECK_ERR(execute(op, -1, &io), MEGAMOE_CODE_FAILED_PRECONDITION);
-  CHECK_ERR(execute(op, 1 << 30, &io), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR_MSG(mmfx_execute_io(op, 1, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "layer 1");
+  CHECK_ERR(mmfx_execute_io(op, -1, &io), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_execute_io(op, 1 << 30, &io), MEGAMOE_CODE_FAILED_PRECONDITION);
   CHECK_ERR(prepare(op, -1), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(prepare(op, 1 << 30), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_OK(plan(op, 4)); /* re-plan smaller, then back */
-  CHECK_OK(plan(op, TP));
+  CHECK_OK(mmfx_plan(op, 4)); /* re-plan smaller, then back */
+  CHECK_OK(mmfx_plan(op, TP));
   check_still_works(op);
   /* a second op is independent; destroying it leaves the first alone */
   megamoe_op *op2 = create_op(&err);
   CHECK_OK(err);
-  CHECK_OK(destroy(op2));
+  CHECK_OK(mmfx_destroy(op2));
   check_still_works(op);
   /* use after destroy, double destroy, foreign handles */
   megamoe_op *stale = op2; /* address may be reused by a later create: test at once */
   megamoe_op_info_args in;
-  CHECK_ERR_MSG(destroy(stale), MEGAMOE_CODE_INVALID_ARGUMENT, "not a live op");
-  CHECK_ERR(execute(stale, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR_MSG(mmfx_destroy(stale), MEGAMOE_CODE_INVALID_ARGUMENT, "not a live op");
+  CHECK_ERR(mmfx_execute_io(stale, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(prepare(stale, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(plan(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(info(stale, &in), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(check(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_plan(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_info(stale, &in), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_check(stale, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
   static char not_an_op[256];
-  CHECK_ERR(execute((megamoe_op *)not_an_op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(destroy((megamoe_op *)not_an_op), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_OK(destroy(NULL));
+  CHECK_ERR(mmfx_execute_io((megamoe_op *)not_an_op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_destroy((megamoe_op *)not_an_op), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mmfx_destroy(NULL));
   /* NULL args and short structs */
-  CHECK_ERR(g_api->execute(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(g_api->plan(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(g_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(g_api->destroy(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(g_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(g_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->execute(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->plan(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->destroy(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
   /* the cpu backend is synchronous: errors came back from execute itself,
    * and check has nothing left to report */
-  CHECK_ERR(execute(op, 0, &(io_t){0}), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_OK(check(op, 0));
-  CHECK_OK(check(op, 1));
+  CHECK_ERR(mmfx_execute_io(op, 0, &(mmfx_io){0}), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mmfx_check(op, 0));
+  CHECK_OK(mmfx_check(op, 1));
   megamoe_op_execute_args ea;
   memset(&ea, 0, sizeof ea);
   ea.struct_size = 8;
   ea.op = op;
-  CHECK_ERR_MSG(g_api->execute(&ea), MEGAMOE_CODE_INVALID_ARGUMENT, "struct_size");
+  CHECK_ERR_MSG(mmfx_api->execute(&ea), MEGAMOE_CODE_INVALID_ARGUMENT, "struct_size");
   check_still_works(op);
 
   /* finalize with a live op: the plugin destroys it; every entry then
    * answers FAILED_PRECONDITION until a new init */
   g_init_out.finalize();
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "not initialized");
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION, "not initialized");
   CHECK_ERR(prepare(op, 0), MEGAMOE_CODE_FAILED_PRECONDITION);
-  CHECK_ERR(plan(op, 1), MEGAMOE_CODE_FAILED_PRECONDITION);
-  CHECK_ERR(destroy(op), MEGAMOE_CODE_FAILED_PRECONDITION);
-  CHECK_ERR(info(op, &in), MEGAMOE_CODE_FAILED_PRECONDITION);
-  CHECK_ERR(check(op, 0), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_plan(op, 1), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_destroy(op), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_info(op, &in), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_check(op, 0), MEGAMOE_CODE_FAILED_PRECONDITION);
   CHECK(create_op(&err) == NULL);
   CHECK_ERR(err, MEGAMOE_CODE_FAILED_PRECONDITION);
   megamoe_op_attributes_args at;
   memset(&at, 0, sizeof at);
   at.struct_size = MEGAMOE_OP_ATTRIBUTES_ARGS_STRUCT_SIZE;
-  CHECK_ERR(g_api->get_attributes(&at), MEGAMOE_CODE_FAILED_PRECONDITION);
+  CHECK_ERR(mmfx_api->get_attributes(&at), MEGAMOE_CODE_FAILED_PRECONDITION);
   /* re-init: the old handle is gone, a new op works */
   CHECK_OK(plugin_init());
-  CHECK_ERR(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
   megamoe_op *fresh = ready_op();
   if (fresh) {
     check_still_works(fresh);
-    CHECK_OK(destroy(fresh));
+    CHECK_OK(mmfx_destroy(fresh));
   }
 }
 
@@ -566,28 +473,28 @@ static void test_token_counts(void) {
   memcpy(ids, g_ref_ids, sizeof g_ref_ids);
   memcpy(w, g_ref_w, sizeof g_ref_w);
   ids[TP * K] = 0, ids[TP * K + 1] = 1, w[TP * K] = w[TP * K + 1] = 0.5f;
-  io_t io;
-  io_init(&io, TP + 1, hid, ids, w, out);
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "num-max-tokens-per-rank");
-  io_init(&io, 0, hid, ids, w, out);
+  mmfx_io io;
+  mmfx_io_init(&io, TP + 1, hid, ids, w, out);
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "num-max-tokens-per-rank");
+  mmfx_io_init(&io, 0, hid, ids, w, out);
   memset(out, 0x77, sizeof out);
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   CHECK(out[0] == 0x7777 && out[H - 1] == 0x7777); /* zero tokens: nothing written */
   io.h.data = io.ids.data = io.w.data = io.out.data = NULL; /* and NULL data is fine then */
-  CHECK_OK(execute(op, 0, &io));
-  CHECK_ERR(plan(op, -1), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_ERR(plan(op, (1 << 20) + 1), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_OK(plan(op, 0)); /* 0: the config's num-max-tokens-per-rank (16) */
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  CHECK_ERR(mmfx_plan(op, -1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mmfx_plan(op, (1 << 20) + 1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mmfx_plan(op, 0)); /* 0: the config's num-max-tokens-per-rank (16) */
   megamoe_op_info_args in;
-  CHECK_OK(info(op, &in));
+  CHECK_OK(mmfx_info(op, &in));
   CHECK_EQ_INT(in.planned_tokens, TP);
   check_still_works(op); /* exactly the planned count */
-  CHECK_OK(plan(op, TP - 1));
-  io_init(&io, TP, hid, ids, w, out);
-  CHECK_ERR(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
-  CHECK_OK(plan(op, TP));
+  CHECK_OK(mmfx_plan(op, TP - 1));
+  mmfx_io_init(&io, TP, hid, ids, w, out);
+  CHECK_ERR(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mmfx_plan(op, TP));
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* Descriptors: device, strides, alignment, overlap, dtype, shape. */
@@ -601,57 +508,57 @@ static void test_bad_descriptors(void) {
   memcpy(hid, g_ref_hid, T * H * 2);
   memcpy(ids, g_ref_ids, sizeof g_ref_ids[0] * T * K);
   memcpy(w, g_ref_w, sizeof g_ref_w[0] * T * K);
-  io_t io;
-  io_init(&io, T, hid, ids, w, out);
+  mmfx_io io;
+  mmfx_io_init(&io, T, hid, ids, w, out);
   DLTensor *ts[4] = {&io.h, &io.ids, &io.w, &io.out};
   const char *names[4] = {"hidden", "topk_ids", "topk_weights", "out"};
   for (int i = 0; i < 4; i++) {
     DLTensor saved = *ts[i];
     ts[i]->device.device_type = kDLCUDA;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "must be on the host");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "must be on the host");
     ts[i]->device.device_type = kDLOpenCL;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     ts[i]->device.device_type = kDLCUDAHost; /* pinned host memory is host memory */
-    CHECK_OK(execute(op, 0, &io));
+    CHECK_OK(mmfx_execute_io(op, 0, &io));
     *ts[i] = saved;
     int64_t col_major[2] = {1, ts[i]->shape[0]};
     ts[i]->strides = col_major;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "strides");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "strides");
     int64_t padded[2] = {ts[i]->shape[1] + 1, 1};
     ts[i]->strides = padded;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     int64_t compact[2] = {ts[i]->shape[1], 1};
     ts[i]->strides = compact; /* explicit compact strides are fine */
-    CHECK_OK(execute(op, 0, &io));
+    CHECK_OK(mmfx_execute_io(op, 0, &io));
     *ts[i] = saved;
     ts[i]->byte_offset = i == 0 || i == 3 ? 1 : 2; /* not element aligned */
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "aligned");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "aligned");
     *ts[i] = saved;
     ts[i]->dtype.lanes = 2;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     ts[i]->dtype = (DLDataType){kDLFloat, 64, 1};
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     *ts[i] = saved;
     int64_t sh3[3] = {ts[i]->shape[0], ts[i]->shape[1], 1};
     ts[i]->shape = sh3;
     ts[i]->ndim = 3;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     ts[i]->shape = saved.shape;
     ts[i]->ndim = 1;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     *ts[i] = saved;
     ts[i]->shape[1] += 1; /* hidden size / top-k mismatch */
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
     ts[i]->shape[1] -= 1;
     if (i > 0) {
       ts[i]->shape[0] -= 1; /* T differs between tensors */
-      CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
+      CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, names[i]);
       ts[i]->shape[0] += 1;
     }
     ts[i]->data = NULL;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "NULL");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "NULL");
     ts[i]->shape = NULL;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "shape is NULL");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "shape is NULL");
     *ts[i] = saved;
   }
   /* an empty 4-d tensor with huge dimensions and strides: refused, no overflow */
@@ -662,35 +569,35 @@ static void test_bad_descriptors(void) {
     io.h.ndim = 4;
     io.h.shape = sh4;
     io.h.strides = st4;
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "hidden");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "hidden");
     io.h = saved;
   }
   /* element-aligned offsets are fine: hidden at element 8 of a larger buffer */
   memmove(hid + 8, hid, T * H * 2);
   io.h.byte_offset = 16;
   static uint16_t out_off[T * H + 8];
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   memcpy(out_off, out, sizeof out);
   memmove(hid, hid + 8, T * H * 2);
   io.h.byte_offset = 0;
-  CHECK_OK(execute(op, 0, &io));
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
   CHECK(memcmp(out_off, out, T * H * 2) == 0);
   CHECK(memcmp(out, g_ref_out, T * H * 2) == 0);
   /* out overlapping an input */
   io.out.data = hid;
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps hidden");
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps hidden");
   io.out.data = (uint8_t *)hid + H; /* partial overlap */
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps hidden");
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps hidden");
   static uint16_t big[T * H * 2];
   memcpy(big, ids, sizeof ids[0] * T * K);
   io.ids.data = big; /* ids at the start of out's buffer */
   io.out.data = big;
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps topk_ids");
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps topk_ids");
   io.ids.data = ids;
   memcpy(big + T * H, w, sizeof w[0] * T * K);
   io.w.data = big + T * H;
   io.out.data = big + 4;
-  CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps topk_weights");
+  CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "overlaps topk_weights");
   io.w.data = w;
   io.out.data = out;
   /* out-of-range ids */
@@ -698,11 +605,11 @@ static void test_bad_descriptors(void) {
   for (int i = 0; i < 4; i++) {
     int32_t saved = ids[3];
     ids[3] = bad_ids[i];
-    CHECK_ERR_MSG(execute(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "topk_ids[1][1]");
+    CHECK_ERR_MSG(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT, "topk_ids[1][1]");
     ids[3] = saved;
   }
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* Another request's op is not disturbed by a misbehaving neighbour: one
@@ -717,11 +624,11 @@ typedef struct {
 static void *good_worker(void *p) {
   worker_arg *w = p;
   static uint16_t out[TP * H];
-  io_t io;
-  io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+  mmfx_io io;
+  mmfx_io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
   for (int i = 0; i < w->iters; i++) {
     memset(out, 0xFF, sizeof out);
-    megamoe_error *e = execute(w->op, 0, &io);
+    megamoe_error *e = mmfx_execute_io(w->op, 0, &io);
     if (e || memcmp(out, g_ref_out, sizeof out) != 0) w->bad++;
     megamoe_error_destroy(e);
   }
@@ -731,7 +638,7 @@ static void *good_worker(void *p) {
 static void *bad_worker(void *p) {
   worker_arg *w = p;
   static uint16_t out[TP * H];
-  static megamoe_named_tensor nt[NT];
+  static megamoe_named_tensor nt[MMFX_NT];
   for (int i = 0; i < w->iters; i++) {
     megamoe_error *e;
     megamoe_op *op = create_op(&e);
@@ -740,18 +647,18 @@ static void *bad_worker(void *p) {
       w->bad++;
       continue;
     }
-    io_t io;
-    io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
-    megamoe_error_destroy(execute(op, 0, &io)); /* before plan */
-    memcpy(nt, g_nt, sizeof nt);
-    nt[i % NT].name = "experts.0.gate_proj.weight"; /* a duplicate or a missing one */
-    megamoe_error_destroy(prepare_n(op, 0, nt, NT));
-    megamoe_error_destroy(plan(op, -3));
+    mmfx_io io;
+    mmfx_io_init(&io, TP, g_ref_hid, g_ref_ids, g_ref_w, out);
+    megamoe_error_destroy(mmfx_execute_io(op, 0, &io)); /* before plan */
+    memcpy(nt, mmfx_nt, sizeof nt);
+    nt[i % MMFX_NT].name = "experts.0.gate_proj.weight"; /* a duplicate or a missing one */
+    megamoe_error_destroy(mmfx_prepare(op, 0, nt, MMFX_NT));
+    megamoe_error_destroy(mmfx_plan(op, -3));
     io.h.byte_offset = 1;
-    megamoe_error_destroy(execute(op, 0, &io));
-    megamoe_error_destroy(destroy(op));
-    megamoe_error_destroy(destroy(op)); /* stale */
-    megamoe_error_destroy(execute(op, 0, &io));
+    megamoe_error_destroy(mmfx_execute_io(op, 0, &io));
+    megamoe_error_destroy(mmfx_destroy(op));
+    megamoe_error_destroy(mmfx_destroy(op)); /* stale */
+    megamoe_error_destroy(mmfx_execute_io(op, 0, &io));
   }
   return NULL;
 }
@@ -768,7 +675,7 @@ static void test_neighbour_misuse(void) {
   CHECK_EQ_INT(good.bad, 0);
   CHECK_EQ_INT(bad.bad, 0);
   check_still_works(op);
-  CHECK_OK(destroy(op));
+  CHECK_OK(mmfx_destroy(op));
 }
 
 /* ---- files ----------------------------------------------------------------------------------- */
@@ -797,14 +704,14 @@ static void test_fifo_paths(void) {
   a.struct_size = MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE;
   a.config_path = fifo;
   a.device = -1;
-  CHECK_ERR_MSG(g_api->validate_config(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "not a regular file");
+  CHECK_ERR_MSG(mmfx_api->validate_config(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "not a regular file");
   FILE *f = fopen(yaml, "w");
   if (f) {
     fprintf(f, "schema-version: 1\nmodel:\n  config-json: pipe\n");
     fclose(f);
   }
   a.config_path = yaml;
-  CHECK_ERR_MSG(g_api->validate_config(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "config-json");
+  CHECK_ERR_MSG(mmfx_api->validate_config(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "config-json");
   mm_st_file *st = NULL;
   megamoe_error *e = mm_st_open(fifo, &st);
   CHECK(e && e->code == MEGAMOE_CODE_INVALID_ARGUMENT);
@@ -839,7 +746,7 @@ static int write_ckpt(const char *path, ck_kind kind) {
     for (int p = 0; p < 3; p++)
       for (int s = 0; s < 4; s++) {
         if (kind == CK_MISSING_EXPERT && e == 3) continue;
-        const DLTensor *t = &g_dl[tensor_index(e, p, s)];
+        const DLTensor *t = &mmfx_dl[mmfx_tensor_index(e, p, s)];
         int64_t r = t->ndim ? t->shape[0] : 0, c = t->ndim ? t->shape[1] : 0;
         if (kind == CK_GATE_UP_SHAPES && e == 1 && p == 1 && s < 2) r /= 2;
         size_t nb = s >= 2 ? 4 : (size_t)(r * c);
@@ -857,7 +764,7 @@ static int write_ckpt(const char *path, ck_kind kind) {
         hl += (size_t)snprintf(hdr + hl, sizeof hdr - hl,
                                ",\"model.layers.0.mlp.experts.%d.%s_proj.%s\":{\"dtype\":\"%s\","
                                "\"shape\":%s,\"data_offsets\":[%zu,%zu]}",
-                               e, kProj[p], kField[s], dtype, shape, begin, begin + nb);
+                               e, mmfx_proj[p], mmfx_field[s], dtype, shape, begin, begin + nb);
       }
   hl += (size_t)snprintf(hdr + hl, sizeof hdr - hl, "}");
   while (hl % 8) hdr[hl++] = ' ';
@@ -985,17 +892,14 @@ static void test_hostile_checkpoints(void) {
 
 
 int main(void) {
-  const char *dir = getenv("MEGAMOE_BUILDDIR");
-  snprintf(g_plugin_path, sizeof g_plugin_path, "%s/plugin/.libs/libmegamoe_plugin.so",
-           dir ? dir : ".");
-  void *lib = dlopen(g_plugin_path, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) {
-    printf("Bail out! cannot dlopen %s: %s\n", g_plugin_path, dlerror());
+  char why[2304];
+  g_init = mmfx_load(g_plugin_path, sizeof g_plugin_path, why, sizeof why);
+  if (!g_init) {
+    printf("Bail out! %s\n", why);
     return 1;
   }
-  g_init = (megamoe_plugin_init_v1_fn)dlsym(lib, MEGAMOE_PLUGIN_INIT_V1_SYMBOL);
-  megamoe_error *e = g_init ? plugin_init() : NULL;
-  if (!g_init || e || !g_api) {
+  megamoe_error *e = plugin_init();
+  if (e || !mmfx_api) {
     printf("Bail out! plugin init failed: %s\n", e ? e->message : "no entry point / op");
     return 1;
   }
@@ -1006,10 +910,12 @@ int main(void) {
     return 1;
   }
   mm_test_seed();
-  make_model();
+  mmfx_make_raw(mm_test_rand_u64);
+  mmfx_make_tensors();
   make_reference();
   RUN(test_duplicate_ids);
   RUN(test_nan_inf_inputs);
+  RUN(test_nan_inf_with_clamp);
   RUN(test_bad_weight_values);
   RUN(test_bad_weight_tensors);
   RUN(test_token_counts);

@@ -1,6 +1,8 @@
 /* test_layout_sm90.c -- the sm90 weight layout transform (CPU): every weight
- * of the packed records decodes to the canonical value (modes 1 and 2
- * exactly, mode 3 within its E4M3 rounding), extremes of both scale formats,
+ * of the packed records decodes to the canonical value (modes 1, 2 and 4
+ * exactly, mode 3 within its E4M3 rounding; mode 4 = mode 1's records), mode
+ * 4's K order against the PTX fragment layouts, the cuda backend's mode
+ * choice, the workspace plan, extremes of both scale formats,
  * refusal of unfoldable UE8M0 blocks, the w13 gate/up order, and a bit-level
  * check of the thread-register word layout. */
 #include <math.h>
@@ -8,6 +10,7 @@
 
 #include "formats.h"
 #include "harness.h"
+#include "backend_cuda.h"
 #include "layout_sm90.h"
 
 static void rand_codes(mm_qmat *m) {
@@ -39,6 +42,24 @@ static double compare_all(const mm_qmat *m, mm_weight_mode mode, int gate_up, co
   return worst;
 }
 
+/* Mode 4 = mode 1's records (sizes, bytes, row factors, decoded weights). */
+static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mode1) {
+  const size_t bytes = mm_sm90_matrix_bytes(MM_WMODE_G32_F16_EXACT, m->rows, m->cols);
+  CHECK(bytes == mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m->rows, m->cols));
+  CHECK(mm_sm90_record_bytes(MM_WMODE_G32_F16_EXACT) == 4480);
+  uint8_t *blob = malloc(bytes);
+  float *rs = malloc(sizeof(float) * (size_t)m->rows);
+  memset(blob, 0x5A, bytes);
+  CHECK_OK(mm_sm90_pack_matrix(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, rs, NULL));
+  CHECK(memcmp(blob, mode1, bytes) == 0);
+  for (int r = 0; r < m->rows; r++) CHECK(rs[r] == m->row_scale[mm_sm90_src_row(r, m->rows, gate_up)]);
+  int bad;
+  compare_all(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, &bad);
+  CHECK_EQ_INT(bad, 0);
+  free(blob);
+  free(rs);
+}
+
 static void test_g32_exact_random(void) {
   const int shapes[][2] = {{64, 128}, {128, 256}, {256, 384}};
   for (int s = 0; s < 3; s++) {
@@ -67,6 +88,7 @@ static void test_g32_exact_random(void) {
       CHECK(fe[0] == 0.0);
       for (int r = 0; r < m.rows; r++)
         CHECK(rs[r] == m.row_scale[mm_sm90_src_row(r, m.rows, gate_up)]);
+      same_records_mode4(&m, gate_up, blob);
       free(blob);
       free(rs);
       mm_qmat_free(&m);
@@ -101,6 +123,7 @@ static void test_g32_extremes(void) {
   int bad;
   compare_all(&m, MM_WMODE_G32_FP8, 0, blob, &bad);
   CHECK_EQ_INT(bad, 0);
+  same_records_mode4(&m, 0, blob);
   free(blob);
   mm_qmat_free(&m);
 }
@@ -175,7 +198,7 @@ static void test_g16_modes(void) {
 
 /* Bit-level: the word of thread t holds exactly its A-fragment elements. */
 static void test_slot_bijection(void) {
-  for (int mode = 1; mode <= 3; mode++) {
+  for (int mode = 1; mode <= 4; mode++) {
     static uint8_t seen[4096 * 8];
     memset(seen, 0, sizeof(seen));
     int dup = 0, frag = 0;
@@ -196,6 +219,86 @@ static void test_slot_bijection(void) {
   }
 }
 
+/* Mode 4's K order, re-derived from the PTX register layouts: FP8 k32 A
+ * fragment register R (rows: R % 2, columns 16 * (R / 2) + 4q + i, i = 0..3)
+ * splits into F16 pairs i / 2 = t, which are register R of the k16 step t,
+ * where the F16 A fragment puts column 8 * (R / 2) + 2q + (i % 2). The F16 B
+ * operand must therefore hold, at position 16t + that column, FP8 column
+ * 16 * (R / 2) + 4q + i. */
+static void test_mode4_kperm(void) {
+  int bad = 0;
+  for (int R = 0; R < 4; R++)
+    for (int q = 0; q < 4; q++)
+      for (int i = 0; i < 4; i++) {
+        const int fp8_col = 16 * (R / 2) + 4 * q + i;
+        const int pos = 16 * (i / 2) + 8 * (R / 2) + 2 * q + (i % 2);
+        for (int blk = 0; blk < 4 * 128; blk += 32) {
+          bad += mm_sm90_kperm_src(MM_WMODE_G32_F16_EXACT, blk + pos) != blk + fp8_col;
+          bad += mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, blk + fp8_col) != blk + pos;
+        }
+      }
+  CHECK_EQ_INT(bad, 0);
+  /* a permutation inside every 32-block; the identity for the other modes */
+  static int seen[1024];
+  memset(seen, 0, sizeof seen);
+  for (int k = 0; k < 1024; k++) {
+    const int p = mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k);
+    CHECK(p / 32 == k / 32);
+    seen[p]++;
+    CHECK_EQ_INT(mm_sm90_kperm_src(MM_WMODE_G32_F16_EXACT, p), k);
+    for (int mode = 1; mode <= 3; mode++) {
+      CHECK_EQ_INT(mm_sm90_kperm_pos((mm_weight_mode)mode, k), k);
+      CHECK_EQ_INT(mm_sm90_kperm_src((mm_weight_mode)mode, k), k);
+    }
+  }
+  for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
+  /* the first pairs: columns 0, 1 stay, 2, 3 go to the second k16 step */
+  CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 2), 16);
+  CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 4), 2);
+  CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 16), 8);
+}
+
+/* compute.mode x gran-k -> weight mode (the cuda backend's choice), and the
+ * mode properties the kernels and the workspace rely on. */
+static void test_weight_mode_selection(void) {
+  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_AUTO), MM_WMODE_G32_FP8);
+  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_FP8), MM_WMODE_G32_FP8);
+  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_BF16_EXACT), MM_WMODE_G32_F16_EXACT);
+  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_AUTO), MM_WMODE_G16_BF16_EXACT);
+  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_FP8), MM_WMODE_G16_FP8);
+  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_BF16_EXACT), MM_WMODE_G16_BF16_EXACT);
+  const int f16[5] = {0, 0, 1, 0, 1}, groups[5] = {0, 4, 8, 8, 4}, ref[5] = {0, 1, 0, 1, 1};
+  for (int mode = 1; mode <= 4; mode++) {
+    CHECK_EQ_INT(mm_sm90_f16_mma((mm_weight_mode)mode), f16[mode]);
+    CHECK_EQ_INT(mm_sm90_groups_per_row((mm_weight_mode)mode), groups[mode]);
+    CHECK_EQ_INT(mm_sm90_has_ref((mm_weight_mode)mode), ref[mode]);
+  }
+  /* workspace: F16 intermediate in the exact modes, no copy of x */
+  const int H = 6144, I = 2048, M = 1000, Mp = 1024;
+  for (int mode = 1; mode <= 4; mode++) {
+    mm_sm90_ws_plan w = mm_sm90_workspace_plan((mm_weight_mode)mode, H, I, M);
+    CHECK_EQ_INT(w.Mp, Mp);
+    CHECK(w.xs_t == 0 && w.act == (size_t)Mp * (H / 128) * 4);
+    CHECK(w.as_t == w.act + (size_t)Mp * I * (f16[mode] ? 2 : 1));
+    CHECK(w.bytes == w.as_t + (size_t)Mp * (I / 128) * 4);
+  }
+  CHECK_EQ_INT(mm_sm90_workspace_plan(MM_WMODE_G32_FP8, H, I, 0).Mp, 64);
+  CHECK_EQ_INT(mm_sm90_workspace_plan(MM_WMODE_G32_FP8, H, I, 64).Mp, 64);
+  CHECK_EQ_INT(mm_sm90_workspace_plan(MM_WMODE_G32_FP8, H, I, 65).Mp, 128);
+  /* a gran-32 mode refuses gran-16 matrices and vice versa; unknown modes */
+  mm_qmat m;
+  CHECK(mm_qmat_alloc(&m, 64, 128, 16, MM_SF_E4M3) == 0);
+  CHECK_ERR(mm_sm90_check_matrix(&m, MM_WMODE_G32_F16_EXACT, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_OK(mm_sm90_check_matrix(&m, MM_WMODE_G16_BF16_EXACT, 0));
+  CHECK_ERR(mm_sm90_check_matrix(&m, (mm_weight_mode)5, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mm_sm90_check_matrix(&m, (mm_weight_mode)0, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
+  mm_qmat_free(&m);
+  CHECK(mm_qmat_alloc(&m, 64, 128, 32, MM_SF_UE8M0) == 0);
+  CHECK_OK(mm_sm90_check_matrix(&m, MM_WMODE_G32_F16_EXACT, 0));
+  CHECK_ERR(mm_sm90_check_matrix(&m, MM_WMODE_G16_FP8, 0), MEGAMOE_CODE_INVALID_ARGUMENT);
+  mm_qmat_free(&m);
+}
+
 static void test_gate_up_order(void) {
   const int I = 96 * 2, rows = 2 * I;
   for (int c = 0; c < I; c++) {
@@ -208,6 +311,8 @@ int main(void) {
   mm_test_seed();
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
+  RUN(test_mode4_kperm);
+  RUN(test_weight_mode_selection);
   RUN(test_g32_exact_random);
   RUN(test_g32_extremes);
   RUN(test_g32_refuses_unfoldable);

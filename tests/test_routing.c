@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "layout_sm90.h"
 #include "routing.h"
 
 typedef enum { IDS_RANDOM, IDS_ALL_ONE, IDS_MASKED_HEAVY, IDS_DUPLICATES, IDS_BAD } ids_kind;
@@ -276,7 +277,11 @@ static void test_geom_errors(void) {
   CHECK_ERR(mm_route_geom_check(&g), MEGAMOE_CODE_INVALID_ARGUMENT);
 }
 
-static int64_t sm90_ws_per_row(int H, int I, int mode2);
+
+/* The sm90 compute workspace of a pool (what the backend plans with). */
+static int64_t sm90_ws(mm_weight_mode mode, int H, int I, int64_t pool_rows) {
+  return (int64_t)mm_sm90_workspace_plan(mode, H, I, (int)pool_rows).bytes;
+}
 
 static mm_ep_size_args glm5(int R, int T) {
   mm_ep_size_args a = {R, 256, 8, 6144, 2048, T, T < 256 ? T : 256, MM_EP_POOL_FACTOR_DEFAULT, -1};
@@ -303,24 +308,39 @@ static void test_sizing(void) {
   mm_ep_size_args a = glm5(8, 4096);
   mm_ep_sizes s;
   CHECK_OK(mm_ep_size(&a, &s));
-  a.workspace_bytes = s.pool_rows * sm90_ws_per_row(a.hidden, a.intermediate, 0);
-  CHECK_OK(mm_ep_size(&a, &s));
-  CHECK_MSG(s.device_total <= 1536ull << 20, "%.3f GiB", s.device_total / 1073741824.0);
+  for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G32_F16_EXACT; mode++) {
+    a.workspace_bytes = sm90_ws((mm_weight_mode)mode, a.hidden, a.intermediate, s.pool_rows);
+    mm_ep_sizes sm;
+    CHECK_OK(mm_ep_size(&a, &sm));
+    CHECK_MSG(sm.device_total <= 1536ull << 20, "mode %d: %.3f GiB", mode,
+              sm.device_total / 1073741824.0);
+  }
   a.hidden = 100;
   CHECK_ERR(mm_ep_size(&a, &s), MEGAMOE_CODE_INVALID_ARGUMENT);
-}
-
-/* Workspace per pool row of the sm90 compute, as kernels/moe_sm90.cu's
- * mm_sm90_ws_carve lays it out today: FP32 x scales^T, (mode 2: a 16-bit copy
- * of x), the SwiGLU output (8 or 16 bit) and its FP32 scales^T. */
-static int64_t sm90_ws_per_row(int H, int I, int mode2) {
-  return (int64_t)H / 128 * 4 + (mode2 ? 2LL * H : 0) + (mode2 ? 2 : 1) * (int64_t)I + I / 128 * 4;
+  /* The default estimate (plan before prepare) covers every weight mode, and
+   * not by much. */
+  const int64_t rows[] = {0, 1, 63, 64, 65, 1000, 49152, 98304};
+  const int shapes[][2] = {{6144, 2048}, {256, 128}, {7168, 256}};
+  for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+      const int H = shapes[k][0], I = shapes[k][1];
+      const int64_t est = mm_ep_workspace_estimate(rows[i], H, I);
+      int64_t most = 0;
+      for (int mode = MM_WMODE_G32_FP8; mode <= MM_WMODE_G32_F16_EXACT; mode++) {
+        const int64_t need = sm90_ws((mm_weight_mode)mode, H, I, rows[i]);
+        CHECK_MSG(est >= need, "rows %lld H %d I %d mode %d: estimate %lld < %lld",
+                  (long long)rows[i], H, I, mode, (long long)est, (long long)need);
+        if (need > most) most = need;
+      }
+      CHECK(est <= most + 3 * 256);
+    }
 }
 
 static void print_table(void) {
   printf("| ep-size | tokens/rank | low-latency cap | pool rows | recv rows | weight mode | "
-         "region x (MiB) | region y (MiB) | small (MiB) | device total (GiB) | pinned host (KiB) |\n");
-  printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+         "workspace (MiB) | region x (MiB) | region y (MiB) | small (MiB) | device total (GiB) | "
+         "pinned host (KiB) |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int Rs[] = {8, 16, 64}, Ts[] = {128, 4096, 8192};
   for (int i = 0; i < 3; i++)
     for (int j = 0; j < 3; j++)
@@ -329,16 +349,17 @@ static void print_table(void) {
         mm_ep_sizes s;
         mm_err *e = mm_ep_size(&a, &s); /* pool rows do not depend on the workspace */
         if (!e) {
-          a.workspace_bytes = s.pool_rows * sm90_ws_per_row(a.hidden, a.intermediate, m2);
+          a.workspace_bytes = sm90_ws(m2 ? MM_WMODE_G16_BF16_EXACT : MM_WMODE_G32_FP8, a.hidden,
+                                      a.intermediate, s.pool_rows);
           e = mm_ep_size(&a, &s);
         }
         if (e) {
           megamoe_error_destroy(e);
           continue;
         }
-        printf("| %d | %d | %d | %lld | %lld | %s | %.1f | %.1f | %.1f | %.3f | %.1f |\n", Rs[i],
-               Ts[j], a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
-               m2 ? "2 (g16 exact)" : "1 / 3 (fp8)", s.region_x / 1048576.0,
+        printf("| %d | %d | %d | %lld | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.3f | %.1f |\n",
+               Rs[i], Ts[j], a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
+               m2 ? "2 / 4 (exact, F16)" : "1 / 3 (fp8)", s.workspace / 1048576.0, s.region_x / 1048576.0,
                s.region_y / 1048576.0, s.meta / 1048576.0, s.device_total / 1073741824.0,
                s.host_total / 1024.0);
       }

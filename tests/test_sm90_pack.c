@@ -1,7 +1,8 @@
 /* test_sm90_pack.c -- the fast sm90 packing (layout_sm90_pack.c) against the
  * reference mm_sm90_pack_matrix: byte-identical records (outputs poisoned
  * differently first), row factors, bit-identical fold sums and identical
- * error messages, on random matrices of every mode with edge cases (all-zero
+ * error messages, on random matrices of every mode (mode 4: mode 1's records
+ * bit for bit) with edge cases (all-zero
  * groups and rows, negative and subnormal E4M3 scales, extreme and
  * unfoldable UE8M0 exponents, NaN scales), several shapes and thread counts;
  * and the whole-layer form against the reference loop of
@@ -101,6 +102,29 @@ static int compare_pack(const mm_qmat *m, mm_weight_mode mode, int gate_up, int 
   return both_failed;
 }
 
+/* Mode 4 packs mode 1's records, bit for bit (fast packer; the reference
+ * against itself is in test_layout_sm90). */
+static void same_as_mode1(const mm_qmat *m, int gate_up) {
+  const size_t bytes = mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m->rows, m->cols);
+  CHECK(mm_sm90_matrix_bytes(MM_WMODE_G32_F16_EXACT, m->rows, m->cols) == bytes);
+  uint8_t *a = malloc(bytes), *b = malloc(bytes);
+  float *ra = malloc(sizeof(float) * (size_t)m->rows), *rb = malloc(sizeof(float) * (size_t)m->rows);
+  memset(a, 0x5A, bytes);
+  memset(b, 0xA5, bytes);
+  mm_err *ea = mm_sm90_pack_matrix_fast(m, MM_WMODE_G32_FP8, gate_up, a, ra, NULL, 2);
+  mm_err *eb = mm_sm90_pack_matrix_fast(m, MM_WMODE_G32_F16_EXACT, gate_up, b, rb, NULL, 2);
+  CHECK(!ea == !eb);
+  if (ea && eb) {
+    CHECK(strcmp(ea->message, eb->message) == 0);
+  } else if (!ea && !eb) {
+    CHECK(memcmp(a, b, bytes) == 0);
+    CHECK(memcmp(ra, rb, sizeof(float) * (size_t)m->rows) == 0);
+  }
+  mm_error_free(ea);
+  mm_error_free(eb);
+  free(a), free(b), free(ra), free(rb);
+}
+
 static const int kShapes[][2] = {{64, 128}, {128, 256}, {192, 384}, {256, 640}, {384, 1024}};
 #define NSHAPES (int)(sizeof kShapes / sizeof kShapes[0])
 
@@ -113,6 +137,8 @@ static void test_mode1_random(void) {
       CHECK(mm_qmat_alloc(&m, kShapes[s][0], kShapes[s][1], 32, MM_SF_UE8M0) == 0);
       rand_g32(&m, 14);
       compare_pack(&m, MM_WMODE_G32_FP8, gate_up, 1 + s % 3);
+      compare_pack(&m, MM_WMODE_G32_F16_EXACT, gate_up, 1 + (s + 1) % 3);
+      same_as_mode1(&m, gate_up);
       /* wider spreads: some blocks fold thanks to small codes, some are refused */
       rand_g32(&m, 16 + s);
       refused += compare_pack(&m, MM_WMODE_G32_FP8, gate_up, 2);
@@ -185,7 +211,9 @@ static void test_errors(void) {
   CHECK(compare_pack(&m, MM_WMODE_G32_FP8, 0, 1)); /* wrong format for the mode */
   m.rows = 192;
   CHECK(compare_pack(&m, MM_WMODE_G16_FP8, 1, 1)); /* w13 rows not a multiple of 128 */
-  CHECK(compare_pack(&m, (mm_weight_mode)4, 0, 1));
+  CHECK(compare_pack(&m, (mm_weight_mode)5, 0, 1));
+  m.rows = 256;
+  CHECK(compare_pack(&m, MM_WMODE_G32_F16_EXACT, 0, 1)); /* gran 16 for a gran-32 mode */
   m.rows = 256;
   m.cols = 320;
   CHECK(compare_pack(&m, MM_WMODE_G16_FP8, 0, 1)); /* cols % 128 */
@@ -272,6 +300,7 @@ static void test_layer(void) {
     }
     if (g) {
       layer_compare(x, E, MM_WMODE_G32_FP8, 3);
+      layer_compare(x, E, MM_WMODE_G32_F16_EXACT, 2);
       x[3].w2.scales[77] = 0xFF; /* the first failing matrix is named ... */
       layer_compare(x, E, MM_WMODE_G32_FP8, 2);
       x[4].w13.scales[5] = 0xFF; /* ... not a later one */

@@ -37,10 +37,6 @@
 
 #include "megamoe_plugin.h"
 
-#ifdef MM_FUZZ_DLOPEN
-#include <dlfcn.h>
-#endif
-
 #define FZ_FAIL(...)                                      \
   do {                                                    \
     fprintf(stderr, "fuzz_abi_tensors: " __VA_ARGS__);    \
@@ -48,7 +44,8 @@
     abort();                                              \
   } while (0)
 
-enum { H = 128, I = 128, E = 4, K = 2, TMAX = 8, NT = E * 12, NLAYERS = 4 };
+enum { H = 128, I = 128, E = 4, K = 2, TMAX = 8, NLAYERS = 4 };
+#include "../abi_fixture.h"
 
 static const char *kConfig =
     "schema-version: 1\n"
@@ -58,7 +55,6 @@ static const char *kConfig =
     "cpu: {threads: 1}\n"
     "log-level: error\n";
 
-static const megamoe_op_api *g_api;
 static megamoe_op *g_op; /* main op */
 static int g_planned;     /* its planned tokens */
 static int g_ready[NLAYERS];
@@ -66,14 +62,6 @@ static uint16_t g_layer_out[NLAYERS][2 * H]; /* valid 2-token output per ready l
 static uint16_t g_hid0[2 * H];
 static int32_t g_ids0[2 * K] = {0, 1, 3, 2};
 static float g_w0[2 * K] = {0.75f, 0.25f, 0.5f, 0.5f};
-
-/* ---- the raw NVFP4 model ------------------------------------------------------ */
-typedef struct {
-  uint8_t codes[3][H * I / 2];
-  uint8_t scales[3][H * I / 16];
-  float global[3], input_scale;
-} raw_expert;
-static raw_expert g_raw[E];
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
 static uint64_t rng(void) {
@@ -83,16 +71,7 @@ static uint64_t rng(void) {
   return g_rng;
 }
 
-static const char *kProj[3] = {"gate", "up", "down"};
-static const char *kField[4] = {"weight", "weight_scale", "weight_scale_2", "input_scale"};
-
 /* ---- errors --------------------------------------------------------------------- */
-static void log_sink(void *ctx, megamoe_log_level level, const char *msg) {}
-static int on_register(void *ctx, const megamoe_op_registration *reg) {
-  if (reg && reg->name && strcmp(reg->name, "megamoe_fp4") == 0) g_api = reg->api;
-  return 0;
-}
-
 /* Checks the error's form; returns its code (OK for NULL) and frees it. */
 static megamoe_code take(megamoe_error *e, const char *what) {
   if (!e) return MEGAMOE_CODE_OK;
@@ -379,67 +358,11 @@ static int fuzz_exec_valid(const DLTensor *h, const DLTensor *ids, const DLTenso
 }
 
 /* ---- API wrappers ---------------------------------------------------------------------- */
-static megamoe_error *do_execute(megamoe_op *op, int layer, const DLTensor *h, const DLTensor *ids,
-                                 const DLTensor *w, const DLTensor *out) {
-  megamoe_op_execute_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE;
-  a.op = op;
-  a.layer = layer;
-  a.hidden = h;
-  a.topk_ids = ids;
-  a.topk_weights = w;
-  a.out = out;
-  return g_api->execute(&a);
-}
-
-static megamoe_error *do_plan(megamoe_op *op, int tokens) {
-  megamoe_op_plan_args p = {MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, NULL, op, tokens, NULL, 0, 0};
-  return g_api->plan(&p);
-}
-
-static megamoe_error *do_info(megamoe_op *op, megamoe_op_info_args *info) {
-  memset(info, 0, sizeof *info);
-  info->struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info->op = op;
-  return g_api->get_info(info);
-}
-
-static megamoe_error *do_check(megamoe_op *op, int wait) {
-  megamoe_op_check_args c = {MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, NULL, op, NULL, wait};
-  return g_api->check(&c);
-}
-
-static megamoe_error *do_destroy(megamoe_op *op) {
-  megamoe_op_destroy_args d = {MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, NULL, op};
-  return g_api->destroy(&d);
-}
-
-static megamoe_error *do_create(const char *text, megamoe_op **out) {
-  megamoe_op_create_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE;
-  a.config_text = text;
-  a.config_name = "fuzz.yaml";
-  a.device = -1;
-  megamoe_error *e = g_api->create(&a);
-  *out = a.op;
-  return e;
-}
-
 /* Valid 2-token (or T-token) execute into out. */
 static megamoe_error *valid_execute(megamoe_op *op, int layer, int T, uint16_t *out) {
-  fz_tensor x[4];
-  memset(x, 0, sizeof x);
-  set2(&x[0], kDLBfloat, 16, T, H);
-  set2(&x[1], kDLInt, 32, T, K);
-  set2(&x[2], kDLFloat, 32, T, K);
-  set2(&x[3], kDLBfloat, 16, T, H);
-  x[0].t.data = g_hid0;
-  x[1].t.data = g_ids0;
-  x[2].t.data = g_w0;
-  x[3].t.data = out;
-  return do_execute(op, layer, &x[0].t, &x[1].t, &x[2].t, &x[3].t);
+  mmfx_io io;
+  mmfx_io_init(&io, T, g_hid0, g_ids0, g_w0, out);
+  return mmfx_execute_io(op, layer, &io);
 }
 
 /* The valid tensor set of one layer, each in its own exact buffer. */
@@ -450,44 +373,20 @@ static int valid_tensors(fz_tensor *x, int prefix) {
       for (int s = 0; s < 4; s++) {
         fz_tensor *t = &x[n++];
         memset(t, 0, sizeof *t);
-        int rows = p == 2 ? H : I, cols = p == 2 ? I : H;
-        snprintf(t->name, sizeof t->name, "%sexperts.%d.%s_proj.%s", prefix ? "mlp." : "", e,
-                 kProj[p], kField[s]);
-        const void *src;
-        size_t len;
-        if (s == 0) {
-          set2(t, kDLUInt, 8, rows, cols / 2);
-          src = g_raw[e].codes[p];
-          len = sizeof g_raw[e].codes[p];
-        } else if (s == 1) {
-          set2(t, MEGAMOE_DL_FLOAT8_E4M3FN, 8, rows, cols / 16);
-          src = g_raw[e].scales[p];
-          len = sizeof g_raw[e].scales[p];
-        } else {
-          set2(t, kDLFloat, 32, 0, 0);
-          t->t.ndim = 0;
-          src = s == 2 ? &g_raw[e].global[p] : &g_raw[e].input_scale;
-          len = 4;
-        }
-        materialize(t, NULL, fill_bytes, src, len);
+        size_t len = mmfx_model_tensor(&t->t, t->shape, e, p, s, prefix ? "mlp." : NULL, t->name,
+                                       sizeof t->name);
+        materialize(t, NULL, fill_bytes, t->t.data, len); /* a copy of the raw bytes */
       }
   return n;
 }
 
 static megamoe_error *do_prepare(megamoe_op *op, int layer, fz_tensor *x, int n) {
-  megamoe_named_tensor nt[NT * 2 + 8];
+  megamoe_named_tensor nt[MMFX_NT * 2 + 8];
   for (int i = 0; i < n; i++) {
     nt[i].name = x[i].null_name ? NULL : x[i].name;
     nt[i].tensor = x[i].null_tensor ? NULL : &x[i].t;
   }
-  megamoe_op_prepare_args p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
-  p.op = op;
-  p.layer = layer;
-  p.tensors = nt;
-  p.num_tensors = (size_t)n;
-  return g_api->prepare_weights(&p);
+  return mmfx_prepare(op, layer, nt, (size_t)n);
 }
 
 static void free_tensors(fz_tensor *x, int n) {
@@ -498,44 +397,27 @@ static void free_tensors(fz_tensor *x, int n) {
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   megamoe_plugin_init_v1_fn init;
 #ifdef MM_FUZZ_DLOPEN
-  const char *dir = getenv("MEGAMOE_BUILDDIR");
-  char path[4096];
-  snprintf(path, sizeof path, "%s/plugin/.libs/libmegamoe_plugin.so", dir ? dir : ".");
-  void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (!lib) FZ_FAIL("cannot dlopen %s: %s", path, dlerror());
-  init = (megamoe_plugin_init_v1_fn)dlsym(lib, MEGAMOE_PLUGIN_INIT_V1_SYMBOL);
-  if (!init) FZ_FAIL("no %s in %s", MEGAMOE_PLUGIN_INIT_V1_SYMBOL, path);
+  char path[4096], why[4352];
+  init = mmfx_load(path, sizeof path, why, sizeof why);
+  if (!init) FZ_FAIL("%s", why);
 #else
   init = megamoe_plugin_init_v1;
 #endif
   static megamoe_host_services s;
-  s.struct_size = MEGAMOE_HOST_SERVICES_STRUCT_SIZE;
-  s.log = log_sink;
-  s.register_op = on_register;
-  megamoe_plugin_init_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE;
-  a.host_abi_major = MEGAMOE_ABI_MAJOR;
-  a.host_abi_minor = MEGAMOE_ABI_MINOR;
-  a.services = &s;
-  if (take(init(&a), "init") != MEGAMOE_CODE_OK || !g_api) FZ_FAIL("init failed");
-  for (int e = 0; e < E; e++) {
-    for (int p = 0; p < 3; p++) {
-      for (size_t i = 0; i < sizeof g_raw[e].codes[p]; i++) g_raw[e].codes[p][i] = (uint8_t)rng();
-      for (size_t i = 0; i < sizeof g_raw[e].scales[p]; i++)
-        g_raw[e].scales[p][i] = (uint8_t)(0x28 + rng() % 0x28);
-      g_raw[e].global[p] = 0.004f + 0.001f * (float)p;
-    }
-    g_raw[e].input_scale = 1.0f;
-  }
+  s = mmfx_services();
+  if (take(mmfx_init_with(init, &s, MEGAMOE_ABI_MAJOR, MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE, NULL),
+           "init") != MEGAMOE_CODE_OK ||
+      !mmfx_api)
+    FZ_FAIL("init failed");
+  mmfx_make_raw(rng);
   for (int i = 0; i < 2 * H; i++) g_hid0[i] = (uint16_t)(0x3C00 + (rng() & 0x3FF)) ^ (i & 1 ? 0x8000 : 0);
-  expect(do_create(kConfig, &g_op), MEGAMOE_CODE_OK, "create main op");
-  fz_tensor *x = calloc(NT, sizeof *x);
+  expect(mmfx_create(kConfig, "fuzz.yaml", &g_op), MEGAMOE_CODE_OK, "create main op");
+  fz_tensor *x = calloc(MMFX_NT, sizeof *x);
   int n = valid_tensors(x, 0);
   expect(do_prepare(g_op, 0, x, n), MEGAMOE_CODE_OK, "prepare layer 0");
   free_tensors(x, n);
   free(x);
-  expect(do_plan(g_op, TMAX), MEGAMOE_CODE_OK, "plan");
+  expect(mmfx_plan(g_op, TMAX), MEGAMOE_CODE_OK, "plan");
   g_planned = TMAX;
   expect(valid_execute(g_op, 0, 2, g_layer_out[0]), MEGAMOE_CODE_OK, "baseline execute");
   g_ready[0] = 1;
@@ -574,7 +456,7 @@ static void action_execute(fz *f) {
   for (int i = 0; i < 4; i++) t[i] = x[i].null_tensor ? NULL : &x[i].t;
   int valid = fuzz_exec_valid(t[0], t[1], t[2], t[3], g_planned);
   int layer_ok = layer >= 0 && layer < NLAYERS && g_ready[layer];
-  megamoe_error *e = do_execute(g_op, layer, t[0], t[1], t[2], t[3]);
+  megamoe_error *e = mmfx_execute(g_op, layer, t[0], t[1], t[2], t[3]);
   char msg[512];
   snprintf(msg, sizeof msg, "%s", e && e->message ? e->message : "");
   megamoe_code c = take(e, "execute");
@@ -595,20 +477,14 @@ static void action_execute(fz *f) {
     if (!first) abort();
     memcpy(first, o, ob);
     memset(o, 0xFF, ob);
-    expect(do_execute(g_op, layer, t[0], t[1], t[2], t[3]), MEGAMOE_CODE_OK, "re-execute");
+    expect(mmfx_execute(g_op, layer, t[0], t[1], t[2], t[3]), MEGAMOE_CODE_OK, "re-execute");
     if (memcmp(first, o, ob) != 0) FZ_FAIL("execute is not deterministic (T=%lld)", (long long)Tn);
     if (Tn >= 2) { /* token 0 alone */
-      fz_tensor y[4];
-      memset(y, 0, sizeof y);
-      set2(&y[0], kDLBfloat, 16, 1, H);
-      set2(&y[1], kDLInt, 32, 1, K);
-      set2(&y[2], kDLFloat, 32, 1, K);
-      set2(&y[3], kDLBfloat, 16, 1, H);
       uint16_t row[H];
-      for (int i = 0; i < 3; i++) y[i].t.data = (void *)first_byte(t[i]);
-      y[3].t.data = row;
-      expect(do_execute(g_op, layer, &y[0].t, &y[1].t, &y[2].t, &y[3].t), MEGAMOE_CODE_OK,
-             "token 0 alone");
+      mmfx_io y;
+      mmfx_io_init(&y, 1, (void *)first_byte(t[0]), (void *)first_byte(t[1]),
+                   (void *)first_byte(t[2]), row);
+      expect(mmfx_execute_io(g_op, layer, &y), MEGAMOE_CODE_OK, "token 0 alone");
       if (memcmp(row, first, sizeof row) != 0)
         FZ_FAIL("token 0 alone differs from token 0 in a batch of %lld", (long long)Tn);
     }
@@ -619,7 +495,7 @@ static void action_execute(fz *f) {
 
 static void ensure_planned(void) {
   if (g_planned >= 2) return;
-  expect(do_plan(g_op, TMAX), MEGAMOE_CODE_OK, "re-plan");
+  expect(mmfx_plan(g_op, TMAX), MEGAMOE_CODE_OK, "re-plan");
   g_planned = TMAX;
 }
 
@@ -627,7 +503,7 @@ static void action_prepare(fz *f) {
   static const int bad_layers[4] = {-1, 4096, INT_MAX, INT_MIN};
   uint8_t lb = u8(f);
   int layer = lb < 224 ? 1 + lb % 3 : bad_layers[lb & 3];
-  fz_tensor *x = calloc(NT * 2 + 8, sizeof *x);
+  fz_tensor *x = calloc(MMFX_NT * 2 + 8, sizeof *x);
   if (!x) abort();
   int n = valid_tensors(x, u8(f) & 1);
   int muts = u8(f) % 5;
@@ -644,7 +520,7 @@ static void action_prepare(fz *f) {
         if (x[i].t.strides) x[i].t.strides = x[i].strides;
         break;
       case 1: /* duplicate */
-        if (n < NT * 2 + 8) {
+        if (n < MMFX_NT * 2 + 8) {
           x[n] = *t;
           x[n].buf = NULL;
           x[n].t.shape = x[n].shape;
@@ -751,10 +627,10 @@ static void action_prepare(fz *f) {
   }
   ensure_planned(); /* the checks below execute 2 tokens */
   megamoe_op_info_args info;
-  expect(do_info(g_op, &info), MEGAMOE_CODE_OK, "info before prepare");
+  expect(mmfx_info(g_op, &info), MEGAMOE_CODE_OK, "info before prepare");
   int before = info.num_layers_ready;
   megamoe_code c = take(do_prepare(g_op, layer, x, n), "prepare");
-  expect(do_info(g_op, &info), MEGAMOE_CODE_OK, "info after prepare");
+  expect(mmfx_info(g_op, &info), MEGAMOE_CODE_OK, "info after prepare");
   int valid_layer = layer >= 1 && layer < NLAYERS;
   if (!valid_layer && c != MEGAMOE_CODE_INVALID_ARGUMENT)
     FZ_FAIL("prepare of layer %d: code %d", layer, (int)c);
@@ -785,13 +661,13 @@ static void action_prepare(fz *f) {
 static void action_plan(fz *f) {
   static const int menu[12] = {0, 1, 2, 7, 8, 9, -1, 1 << 20, (1 << 20) + 1, INT_MAX, INT_MIN, 3};
   int n = menu[u8(f) % 12];
-  megamoe_code c = take(do_plan(g_op, n), "plan");
+  megamoe_code c = take(mmfx_plan(g_op, n), "plan");
   int want_ok = n == 0 || (n >= 1 && n <= (1 << 20));
   if (want_ok != (c == MEGAMOE_CODE_OK)) FZ_FAIL("plan(%d): code %d", n, (int)c);
   if (!want_ok && c != MEGAMOE_CODE_INVALID_ARGUMENT) FZ_FAIL("plan(%d): code %d", n, (int)c);
   if (c == MEGAMOE_CODE_OK) g_planned = n ? n : TMAX; /* 0: the config's 8 */
   megamoe_op_info_args info;
-  expect(do_info(g_op, &info), MEGAMOE_CODE_OK, "info after plan");
+  expect(mmfx_info(g_op, &info), MEGAMOE_CODE_OK, "info after plan");
   if (info.planned_tokens != g_planned) FZ_FAIL("planned %d, info says %d", g_planned, info.planned_tokens);
 }
 
@@ -811,19 +687,19 @@ static void action_lifecycle(fz *f) {
     switch (k) {
       case 0: { /* create */
         if (g_op2) {
-          expect(do_destroy(g_op2), MEGAMOE_CODE_OK, "destroy before re-create");
+          expect(mmfx_destroy(g_op2), MEGAMOE_CODE_OK, "destroy before re-create");
           g_stale = g_op2;
           g_op2 = NULL;
         }
         uint8_t b = u8(f);
         megamoe_op *op = NULL;
         if (b < 128) {
-          expect(do_create(kConfig, &op), MEGAMOE_CODE_OK, "create op2");
+          expect(mmfx_create(kConfig, "fuzz.yaml", &op), MEGAMOE_CODE_OK, "create op2");
           g_op2 = op;
           g_op2_planned = 0;
           g_op2_ready = 0;
         } else {
-          megamoe_code c = take(do_create(bad_configs[b & 3], &op), "bad create");
+          megamoe_code c = take(mmfx_create(bad_configs[b & 3], "fuzz.yaml", &op), "bad create");
           if (c == MEGAMOE_CODE_OK || op) FZ_FAIL("bad config %d accepted", b & 3);
         }
         break;
@@ -831,15 +707,15 @@ static void action_lifecycle(fz *f) {
       case 1: { /* plan */
         int n = u8(f) % 10;
         if (live) {
-          expect(do_plan(g_op2, n), MEGAMOE_CODE_OK, "plan op2");
+          expect(mmfx_plan(g_op2, n), MEGAMOE_CODE_OK, "plan op2");
           g_op2_planned = n ? n : TMAX;
         } else if (stale_usable) {
-          expect(do_plan(g_stale, n), MEGAMOE_CODE_INVALID_ARGUMENT, "plan stale");
+          expect(mmfx_plan(g_stale, n), MEGAMOE_CODE_INVALID_ARGUMENT, "plan stale");
         }
         break;
       }
       case 2: { /* prepare layer 0 */
-        fz_tensor *x = calloc(NT, sizeof *x);
+        fz_tensor *x = calloc(MMFX_NT, sizeof *x);
         int n = valid_tensors(x, 0);
         if (live) {
           expect(do_prepare(g_op2, 0, x, n), MEGAMOE_CODE_OK, "prepare op2");
@@ -867,23 +743,23 @@ static void action_lifecycle(fz *f) {
       }
       case 4: /* destroy (twice is an error) */
         if (live) {
-          expect(do_destroy(g_op2), MEGAMOE_CODE_OK, "destroy op2");
+          expect(mmfx_destroy(g_op2), MEGAMOE_CODE_OK, "destroy op2");
           g_stale = g_op2;
           g_op2 = NULL;
         } else if (stale_usable) {
-          expect(do_destroy(g_stale), MEGAMOE_CODE_INVALID_ARGUMENT, "double destroy");
+          expect(mmfx_destroy(g_stale), MEGAMOE_CODE_INVALID_ARGUMENT, "double destroy");
         }
         break;
       case 5: { /* info */
         megamoe_op_info_args info;
         if (live) {
-          expect(do_info(g_op2, &info), MEGAMOE_CODE_OK, "info op2");
+          expect(mmfx_info(g_op2, &info), MEGAMOE_CODE_OK, "info op2");
           if (info.planned_tokens != g_op2_planned || info.num_layers_ready != g_op2_ready)
             FZ_FAIL("op2 info: planned %d ready %d, model %d %d", info.planned_tokens,
                     info.num_layers_ready, g_op2_planned, g_op2_ready);
         } else if (stale_usable) {
-          expect(do_info(g_stale, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info stale");
-          expect(do_check(g_stale, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "check stale");
+          expect(mmfx_info(g_stale, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info stale");
+          expect(mmfx_check(g_stale, 0), MEGAMOE_CODE_INVALID_ARGUMENT, "check stale");
         }
         break;
       }
@@ -892,14 +768,14 @@ static void action_lifecycle(fz *f) {
         megamoe_op *bogus = u8(f) & 1 ? (megamoe_op *)not_an_op : (megamoe_op *)(uintptr_t)u32(f);
         if (bogus == g_op || bogus == g_op2 || !bogus) break;
         megamoe_op_info_args info;
-        expect(do_info(bogus, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info foreign");
-        expect(do_plan(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "plan foreign");
-        expect(do_check(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "check foreign");
-        expect(do_destroy(bogus), MEGAMOE_CODE_INVALID_ARGUMENT, "destroy foreign");
+        expect(mmfx_info(bogus, &info), MEGAMOE_CODE_INVALID_ARGUMENT, "info foreign");
+        expect(mmfx_plan(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "plan foreign");
+        expect(mmfx_check(bogus, 1), MEGAMOE_CODE_INVALID_ARGUMENT, "check foreign");
+        expect(mmfx_destroy(bogus), MEGAMOE_CODE_INVALID_ARGUMENT, "destroy foreign");
         break;
       }
       case 7: /* destroy(NULL) is a no-op */
-        expect(do_destroy(NULL), MEGAMOE_CODE_OK, "destroy NULL");
+        expect(mmfx_destroy(NULL), MEGAMOE_CODE_OK, "destroy NULL");
         break;
       default: { /* execute with op NULL */
         uint16_t out[2 * H];
@@ -916,20 +792,20 @@ static void action_nulls(fz *f) {
   unsigned char big[1024];
   memset(big, u8(f), sizeof big);
   switch (k) {
-    case 0: expect(g_api->execute(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "execute(NULL)"); break;
-    case 1: expect(g_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "prepare(NULL)"); break;
-    case 2: expect(g_api->plan(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "plan(NULL)"); break;
+    case 0: expect(mmfx_api->execute(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "execute(NULL)"); break;
+    case 1: expect(mmfx_api->prepare_weights(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "prepare(NULL)"); break;
+    case 2: expect(mmfx_api->plan(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "plan(NULL)"); break;
     case 3:
-      expect(g_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "info(NULL)");
-      expect(g_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "check(NULL)");
-      expect(do_check(g_op, small & 1), MEGAMOE_CODE_OK, "check main op"); /* cpu: synchronous */
+      expect(mmfx_api->get_info(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "info(NULL)");
+      expect(mmfx_api->check(NULL), MEGAMOE_CODE_INVALID_ARGUMENT, "check(NULL)");
+      expect(mmfx_check(g_op, small & 1), MEGAMOE_CODE_OK, "check main op"); /* cpu: synchronous */
       break;
     case 4: { /* short struct */
       megamoe_op_execute_args a;
       memset(&a, 0, sizeof a);
       a.struct_size = small;
       a.op = g_op;
-      expect(g_api->execute(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "execute short struct");
+      expect(mmfx_api->execute(&a), MEGAMOE_CODE_INVALID_ARGUMENT, "execute short struct");
       break;
     }
     case 5: { /* newer host: a longer info struct with a garbage tail */
@@ -937,7 +813,7 @@ static void action_nulls(fz *f) {
       memset(info, 0, sizeof *info);
       info->struct_size = sizeof big;
       info->op = g_op;
-      expect(g_api->get_info(info), MEGAMOE_CODE_OK, "long info struct");
+      expect(mmfx_api->get_info(info), MEGAMOE_CODE_OK, "long info struct");
       if (info->hidden_size != H || info->top_k != K) FZ_FAIL("info fields");
       break;
     }
@@ -948,7 +824,7 @@ static void action_nulls(fz *f) {
       p.op = g_op;
       p.layer = 1;
       p.num_tensors = 1 + small;
-      expect(g_api->prepare_weights(&p), MEGAMOE_CODE_INVALID_ARGUMENT, "prepare NULL tensors");
+      expect(mmfx_api->prepare_weights(&p), MEGAMOE_CODE_INVALID_ARGUMENT, "prepare NULL tensors");
       break;
     }
     default: { /* zero tensors: every expert is missing */
@@ -957,14 +833,14 @@ static void action_nulls(fz *f) {
       p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
       p.op = g_op;
       p.layer = 1 + (int)(small % 3);
-      expect(g_api->prepare_weights(&p), MEGAMOE_CODE_NOT_FOUND, "prepare no tensors");
+      expect(mmfx_api->prepare_weights(&p), MEGAMOE_CODE_NOT_FOUND, "prepare no tensors");
       break;
     }
   }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  if (!g_api) LLVMFuzzerInitialize(NULL, NULL);
+  if (!mmfx_api) LLVMFuzzerInitialize(NULL, NULL);
   fz f = {data, size};
   g_rng = 0x9E3779B97F4A7C15ull ^ size; /* bytes past the input: deterministic per input */
   for (int a = 0; a < 8 && f.n > 0; a++) {
