@@ -2,8 +2,8 @@
 // rank pushes its segment for peer r straight into r's receive buffer (the
 // layout of ep_kernels.h mm_ep_ipc_dev), with a two-flag handshake per
 // exchange:
-//   1. block 0 stores ready[me] = e on every peer ("my buffers are free for
-//      exchange e": everything that read them is earlier on my stream);
+//   1. every block stores ready[me] = e on every peer ("my buffers are free
+//      for exchange e": everything that read them is earlier on my stream);
 //   2. every block waits for ready[p] >= e of every peer, then copies its
 //      share of the rows;
 //   3. the last block to finish (a counter in local memory) fences and stores
@@ -100,10 +100,14 @@ __global__ void __launch_bounds__(kCopyThreads) exchange_kernel(mm_ep_dev d, mm_
   const uint64_t deadline = globaltimer() + (uint64_t)x.timeout_ns;
   if (tid == 0) s_ok = !failed(x);
   __syncthreads();
+  // Every block announces (the same value): no block depends on another
+  // block of its own grid being scheduled. This rank's own buffers need no
+  // flags: its stream orders their readers before this kernel.
   if (s_ok) {
-    if (blockIdx.x == 0)
-      for (int q = tid; q < R; q += blockDim.x) st_release_sys(peer_word(x, q, x.ready_off), e);
-    for (int q = tid; q < R; q += blockDim.x) wait_for(d, x, x.ready + q, e, q, deadline);
+    for (int q = tid; q < R; q += blockDim.x)
+      if (q != me) st_release_sys(peer_word(x, q, x.ready_off), e);
+    for (int q = tid; q < R; q += blockDim.x)
+      if (q != me) wait_for(d, x, x.ready + q, e, q, deadline);
   }
   __syncthreads();
   if (tid == 0) s_ok = s_ok && !failed(x);
@@ -150,8 +154,10 @@ __global__ void __launch_bounds__(kCopyThreads) exchange_kernel(mm_ep_dev d, mm_
   __threadfence_system(); // the other blocks' stores (fenced before they counted) before the flags
   __syncthreads();
   if (s_ok) {
-    for (int q = tid; q < R; q += blockDim.x) st_release_sys(peer_word(x, q, x.data_off), e);
-    for (int q = tid; q < R; q += blockDim.x) wait_for(d, x, x.data + q, e, q, deadline);
+    for (int q = tid; q < R; q += blockDim.x)
+      if (q != me) st_release_sys(peer_word(x, q, x.data_off), e);
+    for (int q = tid; q < R; q += blockDim.x)
+      if (q != me) wait_for(d, x, x.data + q, e, q, deadline);
   }
   __syncthreads();
   if (tid == 0) {
