@@ -8,6 +8,8 @@
  *   the eager execute of the same batch bit for bit, with no error. Once
  *   over each low-latency transport (CUDA IPC, NCCL: MEGAMOE_EP_TRANSPORT);
  *   the eager results of the two must be equal bit for bit.
+ * - Dispatch-mode auto: low-latency and normal steps (and T = 0) mixed, over
+ *   both transports: outputs equal bit for bit.
  * - The fault path: the last rank withholds its execute. Every other rank
  *   must return DEADLINE_EXCEEDED within comm.timeout-ms (plus slack) rather
  *   than hang, in both dispatch modes and over both low-latency transports
@@ -205,6 +207,104 @@ static void test_graph_replay_ranks(void) {
   free(c.x), free(c.ids), free(c.w), free(eager[0]), free(eager[1]), free(want);
 }
 
+/* ---- dispatch-mode auto over both transports ------------------------------------------- */
+
+/* Low-latency steps (T <= 16) with normal ones (T = 40) and T = 0 between
+ * them: the IPC epochs stay in step across NCCL steps; every output equals
+ * the NCCL transport's bit for bit and the reference within tolerance. */
+enum { kMixSteps = 7, kMixMax = 48, kMixLL = 16 };
+static const int kMixT[kMixSteps] = {8, 40, 3, 0, 16, 1, 16};
+
+typedef struct {
+  int R;
+  const mm_expert_q *ex;
+  const uint16_t *x;
+  const int32_t *ids;
+  const float *w;
+  uint16_t *out; /* [kMixSteps][R][kMixMax][H] */
+  char key[64];
+  int failed;
+  pthread_mutex_t lock;
+} mix_ctx;
+
+static void mix_rank(int rank, void *p) {
+  mix_ctx *c = p;
+  const layer_shape *s = &kShape;
+  int bad = cudaSetDevice(rank) != cudaSuccess;
+  mm_op *op = NULL;
+  dev_io io = {0};
+  mm_err *err = bad ? NULL
+                    : make_op(s, c->R, rank, MM_DISPATCH_AUTO, kMixLL, kMixMax, c->ex, c->key, &op);
+  bad = bad || err || io_alloc(&io, kMixMax, s->H, s->K);
+  if (!bad && !err && rank == 0) printf("# rank 0: low-latency transport %s\n", mm_cuda_transport(op));
+  for (int i = 0; i < kMixSteps && !bad && !err; i++) {
+    const int T = kMixT[i];
+    const size_t t0 = ((size_t)i * c->R + (size_t)rank) * kMixMax;
+    io.T = T;
+    bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
+    if (!bad) err = op_run(op, &io, NULL);
+    if (!bad && !err) err = mm_cuda_check(op, NULL, 1);
+    if (!bad && !err && T > 0)
+      bad = cudaMemcpy(c->out + t0 * s->H, io.d_out, (size_t)T * s->H * 2,
+                       cudaMemcpyDeviceToHost) != cudaSuccess;
+  }
+  if (err) {
+    printf("# rank %d: %s\n", rank, err->message);
+    megamoe_error_destroy(err);
+    bad = 1;
+  }
+  pthread_mutex_lock(&c->lock);
+  c->failed |= bad;
+  pthread_mutex_unlock(&c->lock);
+  io_free(&io);
+  free_op(op);
+}
+
+static void test_auto_mode_transports(void) {
+  const layer_shape *s = &kShape;
+  const int R = test_ranks();
+  const size_t rows = (size_t)kMixSteps * R * kMixMax;
+  mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
+  uint16_t *x = malloc(rows * s->H * 2), *want = malloc((size_t)kMixMax * s->H * 2);
+  uint16_t *out[2] = {calloc(rows * s->H, 2), calloc(rows * s->H, 2)};
+  int32_t *ids = malloc(rows * s->K * 4);
+  float *w = malloc(rows * s->K * 4);
+  ept_fill_hidden(x, (int)rows, s->H);
+  ept_fill_ids(ids, (int)rows, s->K, s->E, EPT_IDS_RANDOM, 0);
+  ept_fill_weights(w, (int)rows, s->K);
+  const char *transports[2] = {"ipc", "nccl"};
+  int failed = 0;
+  for (int ti = 0; ti < 2; ti++) {
+    setenv("MEGAMOE_EP_TRANSPORT", transports[ti], 1);
+    mix_ctx c = {.R = R, .ex = ex, .x = x, .ids = ids, .w = w, .out = out[ti]};
+    snprintf(c.key, sizeof c.key, "ept-mix-%d", g_key_gen++);
+    pthread_mutex_init(&c.lock, NULL);
+    ept_run_ranks(R, mix_rank, &c);
+    pthread_mutex_destroy(&c.lock);
+    CHECK(!c.failed);
+    failed |= c.failed;
+  }
+  unsetenv("MEGAMOE_EP_TRANSPORT");
+  if (!failed) {
+    size_t d = count_diff(out[0], out[1], rows * s->H);
+    printf("# dispatch-mode auto at %d ranks, steps of 8, 40 (normal), 3, 0, 16, 1, 16 tokens: "
+           "ipc vs nccl: %zu of %zu outputs differ\n", R, d, rows * s->H);
+    CHECK_EQ_INT(d, 0);
+    double worst = 0;
+    for (int i = 0; i < kMixSteps; i++)
+      for (int r = 0; r < R && kMixT[i] > 0; r++) {
+        const size_t t0 = ((size_t)i * R + (size_t)r) * kMixMax;
+        reference(s, ex, kMixT[i], x + t0 * s->H, ids + t0 * s->K, w + t0 * s->K, want);
+        double rel = rel_frob(out[0] + t0 * s->H, want, (size_t)kMixT[i] * s->H);
+        if (rel > worst) worst = rel;
+      }
+    printf("# dispatch-mode auto: worst rel %.2e vs reference\n", worst);
+    CHECK(worst <= backend_tolerance(s->gran, s->cm));
+  }
+  mm_experts_free(ex, s->E);
+  free(x), free(want), free(out[0]), free(out[1]), free(ids), free(w);
+}
+
 /* ---- a rank withholds its execute ------------------------------------------------------- */
 
 typedef struct {
@@ -341,6 +441,7 @@ int main(void) {
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   mm_test_seed();
   RUN(test_graph_replay_ranks);
+  RUN(test_auto_mode_transports);
   RUN(test_withheld_execute);
   return mm_test_done();
 }
