@@ -20,7 +20,60 @@ struct mm_ep_ipc {
   int64_t table_off; /* the device peer table inside base */
   void **opened; /* [R] peers opened with cudaIpcOpenMemHandle (NULL: self, same process) */
   mm_ep_ipc_dev dev;
+  uint64_t group; /* in-process group key (0: not registered) */
 };
+
+/* Buffers of ranks in one process outlive their engines until every rank of
+ * that process has destroyed its own: a peer that is still running (late, or
+ * failing on its own timeout) pushes flags and rows into this buffer through
+ * its raw pointer, and a freed buffer would turn those stores into illegal
+ * addresses on the peer's GPU, poisoning its context. (Peers in other
+ * processes hold IPC mappings; the driver keeps the memory until they close.) */
+typedef struct ipc_group {
+  uint64_t key;
+  int live;           /* ranks of this process not yet destroyed */
+  int n;              /* buffers parked so far */
+  uint8_t *buf[64];
+  int dev[64];
+  struct ipc_group *next;
+} ipc_group;
+static pthread_mutex_t g_groups_lock = PTHREAD_MUTEX_INITIALIZER;
+static ipc_group *g_groups;
+
+static void group_join(uint64_t key, int live) {
+  pthread_mutex_lock(&g_groups_lock);
+  ipc_group *g = g_groups;
+  while (g && g->key != key) g = g->next;
+  if (!g && (g = calloc(1, sizeof *g))) {
+    g->key = key;
+    g->live = live;
+    g->next = g_groups;
+    g_groups = g;
+  }
+  pthread_mutex_unlock(&g_groups_lock);
+}
+
+/* Parks x's buffer in its group; frees the group's buffers when x is the last. */
+static void group_leave(mm_ep_ipc *x) {
+  pthread_mutex_lock(&g_groups_lock);
+  ipc_group **pg = &g_groups;
+  while (*pg && (*pg)->key != x->group) pg = &(*pg)->next;
+  ipc_group *g = *pg;
+  if (g && g->n < 64) {
+    g->buf[g->n] = x->base;
+    g->dev[g->n++] = x->device;
+    x->base = NULL;
+  }
+  if (g && --g->live <= 0) {
+    *pg = g->next;
+    for (int i = 0; i < g->n; i++)
+      if (cudaSetDevice(g->dev[i]) == cudaSuccess) cudaFree(g->buf[i]);
+    cudaGetLastError();
+    free(g);
+    cudaSetDevice(x->device);
+  }
+  pthread_mutex_unlock(&g_groups_lock);
+}
 
 /* The record every rank contributes to the set-up all-gather. */
 typedef struct ipc_info {
@@ -86,6 +139,7 @@ void mm_ep_ipc_destroy(mm_ep_ipc *x) {
   if (cudaSetDevice(x->device) == cudaSuccess) {
     for (int q = 0; x->opened && q < x->ranks; q++)
       if (x->opened[q]) cudaIpcCloseMemHandle(x->opened[q]);
+    if (x->group) group_leave(x); /* takes the buffer, frees it with the group's last */
     if (x->base) cudaFree(x->base);
   }
   cudaGetLastError();
@@ -295,6 +349,16 @@ mm_err *mm_ep_ipc_create(const mm_ep_ipc_args *a, mm_ep_ipc **out) {
            "expert-parallel low-latency transport: nccl (CUDA IPC not possible: %s)", why);
     goto fail;
   }
+  /* In-process group: keyed by the buffer of its lowest rank (unique while
+   * that buffer lives, which it does until the whole group is gone). */
+  int same = 0;
+  for (int q = 0; q < R; q++)
+    if (recs[q].process == mine->process && recs[q].pid == mine->pid) {
+      if (!same) x->group = recs[q].ptr;
+      same++;
+    }
+  if (R > 1 && same > 1) group_join(x->group, same);
+  else x->group = 0;
   mm_log(MEGAMOE_LOG_INFO,
          "expert-parallel low-latency transport: ipc (%d rank%s on %s, %.1f MiB receive buffer)",
          R, R == 1 ? "" : "s", mine->host, x->bytes / 1048576.0);

@@ -51,8 +51,10 @@ typedef struct mm_ep_ipc_args {
  * NULL: the NCCL transport (asked for, or IPC not possible: logged). Fails
  * only when the set-up exchange itself fails (a failed communicator). */
 mm_err *mm_ep_ipc_create(const mm_ep_ipc_args *a, mm_ep_ipc **out);
-/* Closes the peers' mappings and frees the buffer (call after the device is
- * idle). NULL is fine. */
+/* Closes the peers' mappings and releases the buffer (call after the device
+ * is idle). With other ranks of the group in this process the buffer stays
+ * allocated until the last of them is destroyed too (a late peer may still
+ * push into it). NULL is fine. */
 void mm_ep_ipc_destroy(mm_ep_ipc *x);
 
 const mm_ep_ipc_dev *mm_ep_ipc_device(const mm_ep_ipc *x);

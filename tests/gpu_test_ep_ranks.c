@@ -163,7 +163,7 @@ static void test_graph_replay_ranks(void) {
   for (int b = 0; b < kBatches; b++) {
     ept_fill_hidden(c.x + b * G * s->H, (int)G, s->H);
     ept_fill_ids(c.ids + b * G * s->K, (int)G, s->K, s->E,
-                 b == 3 ? EPT_IDS_ONE_EXPERT : b == 5 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM, b);
+                 b == 5 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM, b);
     ept_fill_weights(c.w + b * G * s->K, (int)G, s->K);
   }
   const char *transports[2] = {"ipc", "nccl"};

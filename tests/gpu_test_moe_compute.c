@@ -134,7 +134,9 @@ static int code_explained(const mm_expert_q *e, const l1_dots *d, size_t o, int 
                           float clamp, float gpu_scale, double tau, double abs_slack, uint8_t q,
                           uint8_t ref_q) {
   const int I = e->w2.cols;
-  /* approximate paths: a difference small against the block's range */
+  /* the approximate path (abs_slack > 0): one code step, or a difference
+   * small against the block's range */
+  if (abs_slack > 0 && (((q ^ ref_q) & 0x80) == 0 && abs((q & 0x7F) - (ref_q & 0x7F)) == 1)) return 1;
   if (fabsf(mm_e4m3_to_float(q) - mm_e4m3_to_float(ref_q)) <= abs_slack * 448.0) return 1;
   for (int gi = -1; gi <= 1; gi++)
     for (int ui = -1; ui <= 1; ui++) {
@@ -181,6 +183,7 @@ static void check_intermediate(const mm_expert_q *ex, const int *offs, int E, co
          "rounding near-tie (tau %.1e); scale max rel %.2e\n",
          what, diff, n, unexplained, tau, smax);
   CHECK_EQ_INT(unexplained, 0);
+  CHECK(diff <= n / 50 + 2); /* approximate mode 1: measured 0.5% */
   CHECK(smax <= scale_rel);
 }
 
@@ -308,9 +311,10 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8;
       const double tau = s->exact ? 0.0 : qg ? 0x1p-10 : 0x1p-16;
       /* Mode 1 is the fast, approximate path: measured on the H200, its L1
-       * codes also differ away from near-ties (e.g. 0x88 for 0x81), always
-       * by little against the block's range, and its L2 runs at 0.8-1.8e-3.
-       * Bounds for it: a code within 2^-8 of the block's range, L2 5e-3.
+       * codes also differ away from near-ties (e.g. 0x88 for 0x81, 0x5a for
+       * 0x5b), by one code step or by little against the block's range, in
+       * 0.5% of the codes, and its L2 runs at 0.8-1.8e-3. Bounds for it: one
+       * step or 2^-8 of the block's range, at most 2% of the codes; L2 5e-3.
        * Exact-sum data still pins its decode bit for bit. */
       const double abs_slack = qg && !s->exact ? 0x1p-8 : 0.0;
       const double l2_tol = qg && !s->exact ? 5e-3 : 1e-3;
