@@ -268,7 +268,8 @@ static void test_weight_mode_selection(void) {
     CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_FP8, bounds[b]), MM_WMODE_G32_FP8);
     CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_BF16_EXACT, bounds[b]), MM_WMODE_G32_F16_EXACT);
     CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_FP8, bounds[b]), MM_WMODE_G16_FP8);
-    CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_BF16_EXACT, bounds[b]), MM_WMODE_G16_BF16_EXACT);
+    CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_BF16_EXACT, bounds[b]),
+                 MM_WMODE_G16_BF16_EXACT);
   }
   CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_AUTO, 0.02), MM_WMODE_G32_FP8);
   CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_AUTO, 0.02), MM_WMODE_G16_BF16_EXACT);
