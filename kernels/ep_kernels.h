@@ -1,7 +1,8 @@
 /* ep_kernels.h -- C-callable launchers of the expert-parallel kernels
  * (kernels/ep_dispatch.cu, kernels/ep_combine.cu). They implement the routing
  * plan of plugin/routing.h exactly; the communication between them is NCCL,
- * issued by plugin/ep_engine.c. Launchers return a cudaError_t as int (0 = OK).
+ * issued by plugin/ep_engine.c, or, for low-latency steps on one node, the
+ * CUDA IPC exchange kernel below (kernels/ep_ipc.cu). Launchers return a cudaError_t as int (0 = OK).
  *
  * Execute sequence (one stream):
  *   route         ids -> tok_slot / pair_slot, this rank's row of the count matrix
@@ -35,6 +36,9 @@ extern "C" {
 #define MM_EP_ERR_POOL_OVERFLOW 0x2
 #define MM_EP_ERR_RECV_OVERFLOW 0x4
 #define MM_EP_ERR_MODE_MISMATCH 0x8
+/* A low-latency exchange over CUDA IPC waited longer than comm.timeout-ms for
+ * a peer; err[1] holds that peer + 1 (the first one). */
+#define MM_EP_ERR_PEER_TIMEOUT 0x10
 #define MM_EP_ERR_WORDS 4
 
 /* Count-matrix row (plugin/routing.h mm_ep_count_row_len): */
@@ -93,6 +97,37 @@ int mm_ep_launch_arrange(const mm_ep_dev *d, int64_t grid_rows, void *stream);
 int mm_ep_launch_gather(const mm_ep_dev *d, int64_t grid_rows, void *stream);
 int mm_ep_launch_combine(const mm_ep_dev *d, int T, const int32_t *ids, uint16_t *out,
                          void *stream);
+
+/* ---- low-latency transport over CUDA IPC peer pointers (kernels/ep_ipc.cu) ----
+ * Every rank owns one buffer (plugin/ep_ipc.c) with the same layout on every
+ * rank; peers map it and push into it:
+ *   local words  [0] epoch of the last exchange, [1] blocks done in the
+ *                current one, [2] failed (sticky); only this rank touches them
+ *   ready[R]     ready[p] = e: rank p reached exchange e (its buffers are free)
+ *   data[R]      data[p] = e: rank p's payload of exchange e is in place
+ *   peer table   [R] each rank's buffer base in this address space (local)
+ *   counts       [R][2R + 4] the count matrix (row p written by rank p)
+ *   payload      low-latency receive rows: dispatch R * tok_stride rows, or
+ *                combine R * pair_stride rows of H bf16 (aliased: the
+ *                handshake orders them) */
+typedef struct mm_ep_ipc_dev {
+  int ranks, rank;
+  uint64_t *local;                /* this rank's local words */
+  uint64_t *ready, *data;         /* this rank's flag arrays [R] */
+  uint8_t *const *peer_base;      /* device table [R] */
+  int64_t ready_off, data_off, counts_off, payload_off; /* offsets in every buffer */
+  int64_t timeout_ns;             /* comm.timeout-ms of every spin */
+} mm_ep_ipc_dev;
+
+/* One exchange of a low-latency step, replacing one NCCL transfer bit for
+ * bit (the rows a receiver reads are the same; unused rows are not sent). */
+#define MM_EP_IPC_COUNTS 0   /* this rank's count row to every peer's matrix */
+#define MM_EP_IPC_DISPATCH 1 /* send segment r (mine[TOK r] rows) -> r's payload, slot rank */
+#define MM_EP_IPC_COMBINE 2  /* combine segment r (r's PAIR[me] rows) -> r's payload, slot rank */
+/* d->counts must point at x's counts area and d->recv / d->crecv at its
+ * payload (ep_engine.c does). Every rank must run the same exchanges in the
+ * same order: the epochs count them. */
+int mm_ep_launch_ipc_exchange(const mm_ep_dev *d, const mm_ep_ipc_dev *x, int kind, void *stream);
 
 /* Stand-in expert compute for tests and the bench (no weights):
  * out[p] = BF16(e4m3(x[p]) * x_scale * row_weight[p] * (1 + (first_expert + e) % 16)),

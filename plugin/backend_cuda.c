@@ -153,6 +153,12 @@ int mm_cuda_dispatch_mode(const mm_op *op, int T) {
   return T <= ll ? MM_EP_MODE_LOW_LATENCY : MM_EP_MODE_NORMAL;
 }
 
+const char *mm_cuda_transport(const mm_op *op) {
+  cuda_state *s = (cuda_state *)op->backend_state;
+  if (!s || !s->engine || !mm_ep_engine_ll_tokens(s->engine)) return "none";
+  return mm_ep_transport_name(mm_ep_engine_transport(s->engine));
+}
+
 static mm_err *cuda_plan(mm_op *op, int max_tokens, void *stream, uint64_t *device_bytes,
                          uint64_t *host_bytes) {
   cuda_state *s = state_of(op);
@@ -182,7 +188,8 @@ static mm_err *cuda_plan(mm_op *op, int max_tokens, void *stream, uint64_t *devi
                           MM_EP_POOL_FACTOR_DEFAULT, ws, s->comm,
                           hs ? hs->host_ctx : NULL,
                           hs && hs->device_alloc && hs->device_free ? hs->device_alloc : NULL,
-                          hs && hs->device_alloc && hs->device_free ? hs->device_free : NULL};
+                          hs && hs->device_alloc && hs->device_free ? hs->device_free : NULL,
+                          MM_EP_TRANSPORT_DEFAULT};
   MM_TRY(mm_ep_engine_create(&ea, &s->engine));
   (void)stream;
   *device_bytes = mm_ep_engine_device_bytes(s->engine);

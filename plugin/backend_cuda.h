@@ -29,5 +29,8 @@ static inline mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode,
 
 /* Which dispatch mode execute uses for T tokens (1 normal, 2 low-latency). */
 int mm_cuda_dispatch_mode(const mm_op *op, int T);
+/* The planned low-latency transport: "ipc", "nccl", or "none" (no
+ * low-latency mode planned). */
+const char *mm_cuda_transport(const mm_op *op);
 
 #endif

@@ -201,6 +201,7 @@ void mm_ep_comm_destroy(mm_ep_comm *c) {
 
 int mm_ep_comm_rank(const mm_ep_comm *c) { return c->rank; }
 int mm_ep_comm_size(const mm_ep_comm *c) { return c->ranks; }
+int mm_ep_comm_timeout_ms(const mm_ep_comm *c) { return c->timeout_ms; }
 void *mm_ep_comm_nccl(const mm_ep_comm *c) { return c->comm; }
 const char *mm_ep_comm_failure(const mm_ep_comm *c) { return c->failed ? c->failure : NULL; }
 
@@ -222,6 +223,10 @@ mm_err *mm_ep_comm_check(mm_ep_comm *c) {
 }
 
 mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
+  return mm_ep_comm_sync_for(c, stream, c->timeout_ms);
+}
+
+mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
   if (c->failed) return failed_error(c);
   double t0 = now_ms();
   for (int iter = 0;; iter++) {
@@ -231,10 +236,10 @@ mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
       return fail(c, MEGAMOE_CODE_INTERNAL, "device error while waiting for the stream: %s",
                   cudaGetErrorString(ce));
     MM_TRY(mm_ep_comm_check(c));
-    if (now_ms() - t0 > c->timeout_ms)
+    if (now_ms() - t0 > timeout_ms)
       return fail(c, MEGAMOE_CODE_DEADLINE_EXCEEDED,
-                  "the stream did not finish within comm.timeout-ms = %d (a peer is missing or hung)",
-                  c->timeout_ms);
+                  "the stream did not finish within %d ms (comm.timeout-ms = %d; a peer is "
+                  "missing or hung)", timeout_ms, c->timeout_ms);
     backoff(iter);
   }
 }
@@ -306,6 +311,7 @@ mm_err *mm_ep_comm_create(const mm_ep_comm_args *a, mm_ep_comm **out) {
 void mm_ep_comm_destroy(mm_ep_comm *c) { free(c); }
 int mm_ep_comm_rank(const mm_ep_comm *c) { return c->rank; }
 int mm_ep_comm_size(const mm_ep_comm *c) { return c->ranks; }
+int mm_ep_comm_timeout_ms(const mm_ep_comm *c) { return c->timeout_ms; }
 void *mm_ep_comm_nccl(const mm_ep_comm *c) { (void)c; return NULL; }
 const char *mm_ep_comm_failure(const mm_ep_comm *c) { return c->failed ? c->failure : NULL; }
 
@@ -322,6 +328,10 @@ mm_err *mm_ep_comm_check(mm_ep_comm *c) {
 }
 
 mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
+  return mm_ep_comm_sync_for(c, stream, c->timeout_ms);
+}
+
+mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
   MM_TRY(mm_ep_comm_check(c));
   double t0 = now_ms();
   for (int iter = 0;; iter++) {
@@ -329,7 +339,7 @@ mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
     if (ce == cudaSuccess) return NULL;
     if (ce != cudaErrorNotReady)
       return mm_ep_comm_abort(c, MEGAMOE_CODE_INTERNAL, cudaGetErrorString(ce));
-    if (now_ms() - t0 > c->timeout_ms)
+    if (now_ms() - t0 > timeout_ms)
       return mm_ep_comm_abort(c, MEGAMOE_CODE_DEADLINE_EXCEEDED,
                               "the stream did not finish within comm.timeout-ms");
     backoff(iter);

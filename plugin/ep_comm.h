@@ -40,6 +40,7 @@ void mm_ep_comm_destroy(mm_ep_comm *c);
 int mm_ep_comm_rank(const mm_ep_comm *c);
 int mm_ep_comm_size(const mm_ep_comm *c);
 void *mm_ep_comm_nccl(const mm_ep_comm *c); /* ncclComm_t */
+int mm_ep_comm_timeout_ms(const mm_ep_comm *c);
 /* Non-NULL message once the communicator failed. */
 const char *mm_ep_comm_failure(const mm_ep_comm *c);
 
@@ -53,6 +54,8 @@ mm_err *mm_ep_comm_check(mm_ep_comm *c);
 /* Waits for all work on `stream` (cudaStream_t) with the timeout, polling
  * the stream and NCCL's asynchronous error; aborts on error or timeout. */
 mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream);
+/* The same with another limit (a wait that covers device-side timeouts). */
+mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms);
 
 /* In-place all-gather of `bytes` per rank (this rank's part is at
  * buf + rank * bytes), as grouped point-to-point transfers. Every transfer

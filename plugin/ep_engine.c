@@ -19,6 +19,8 @@ struct mm_ep_engine {
   mm_ep_sizes sz;
   mm_ep_dev dev;
   void *region_x, *region_y, *meta;
+  mm_ep_ipc *ipc;        /* low-latency transport over CUDA IPC; NULL = NCCL */
+  int32_t *counts_meta;  /* the count matrix of NCCL steps */
   int32_t *host_pinned; /* counts [R * L] then error words */
   int32_t *counts_h, *err_h;
   cudaEvent_t err_copied; /* recorded after the error words' copy (not under capture) */
@@ -180,7 +182,7 @@ mm_err *mm_ep_engine_create(const mm_ep_engine_args *a, mm_ep_engine **out) {
   d->expert_off = carve(&cur, (size_t)(per + 1) * 8);
   d->expert_off_pool = carve(&cur, (size_t)(per + 1) * 8);
   d->expert_count = carve(&cur, (size_t)per * 4);
-  d->counts = carve(&cur, (size_t)R * L * 4);
+  d->counts = e->counts_meta = carve(&cur, (size_t)R * L * 4);
   d->seg = carve(&cur, (size_t)(R + 1) * 8 * 4);
   d->err = carve(&cur, 64);
   if ((uint64_t)(cur - (char *)e->meta) > sz.meta) {
@@ -201,6 +203,11 @@ mm_err *mm_ep_engine_create(const mm_ep_engine_args *a, mm_ep_engine **out) {
                    cudaGetErrorString(ce));
     goto fail;
   }
+  if (a->ll_tokens > 0) {
+    mm_ep_ipc_args ia = {a->rank, R, a->device, a->transport, a->ll_tokens, sz.row_bytes, H, K,
+                         a->comm};
+    MM_TRY_GOTO(mm_ep_ipc_create(&ia, &e->ipc), err, fail);
+  }
   *out = e;
   return NULL;
 fail:
@@ -211,6 +218,7 @@ fail:
 void mm_ep_engine_destroy(mm_ep_engine *e) {
   if (!e) return;
   if (cudaSetDevice(e->a.device) == cudaSuccess) cudaDeviceSynchronize();
+  mm_ep_ipc_destroy(e->ipc);
   dev_free(e, e->region_x);
   dev_free(e, e->region_y);
   dev_free(e, e->meta);
@@ -221,9 +229,14 @@ void mm_ep_engine_destroy(mm_ep_engine *e) {
 }
 
 const mm_ep_sizes *mm_ep_engine_sizes(const mm_ep_engine *e) { return &e->sz; }
-uint64_t mm_ep_engine_device_bytes(const mm_ep_engine *e) { return e->sz.device_total; }
+uint64_t mm_ep_engine_device_bytes(const mm_ep_engine *e) {
+  return e->sz.device_total + (e->ipc ? mm_ep_ipc_bytes(e->ipc) : 0);
+}
 uint64_t mm_ep_engine_host_bytes(const mm_ep_engine *e) { return e->sz.host_total; }
 int mm_ep_engine_ll_tokens(const mm_ep_engine *e) { return e->a.ll_tokens; }
+mm_ep_transport mm_ep_engine_transport(const mm_ep_engine *e) {
+  return e->ipc ? MM_EP_TRANSPORT_IPC : MM_EP_TRANSPORT_NCCL;
+}
 
 void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine) {
   int64_t d = 0, c = 0;
@@ -321,10 +334,20 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   d->tok_stride = ll ? e->a.ll_tokens : 0;
   d->pair_stride = ll ? e->a.ll_tokens * e->a.top_k : 0;
   d->mode_tag = ll ? 2 | (e->a.ll_tokens << 2) : 1;
+  /* The IPC transport's peers write the count matrix and the receive rows
+   * straight into its buffer. */
+  const mm_ep_ipc_dev *x = ll && e->ipc ? mm_ep_ipc_device(e->ipc) : NULL;
+  d->counts = x ? mm_ep_ipc_counts(e->ipc) : e->counts_meta;
+  d->recv = x ? mm_ep_ipc_payload(e->ipc) : e->region_y;
+  d->crecv = x ? mm_ep_ipc_payload(e->ipc) : e->region_y;
 
   MM_TRY(mark(s->events[0], st));
   LAUNCH_TRY(mm_ep_launch_route(d, s->T, s->ids, st), "ep route");
-  MM_TRY(mm_ep_comm_allgather(e->a.comm, d->counts, (size_t)L * 4, st));
+  if (x) {
+    if (R > 1) LAUNCH_TRY(mm_ep_launch_ipc_exchange(d, x, MM_EP_IPC_COUNTS, st), "ep ipc counts");
+  } else {
+    MM_TRY(mm_ep_comm_allgather(e->a.comm, d->counts, (size_t)L * 4, st));
+  }
   LAUNCH_TRY(mm_ep_launch_offsets(d, st), "ep offsets");
   LAUNCH_TRY(mm_ep_launch_pack(d, s->T, s->hidden, s->ids, s->weights, s->weight_scale, st),
              "ep pack");
@@ -342,8 +365,11 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
     }
     exact_layout(e);
   }
-  MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->send, e->send_off, e->send_bytes, d->recv, e->recv_off,
-                              e->recv_bytes, st));
+  if (x)
+    LAUNCH_TRY(mm_ep_launch_ipc_exchange(d, x, MM_EP_IPC_DISPATCH, st), "ep ipc dispatch");
+  else
+    MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->send, e->send_off, e->send_bytes, d->recv,
+                                e->recv_off, e->recv_bytes, st));
   LAUNCH_TRY(mm_ep_launch_recv_plan(d, st), "ep recv plan");
   LAUNCH_TRY(mm_ep_launch_expert_offsets(d, st), "ep expert offsets");
   LAUNCH_TRY(mm_ep_launch_arrange(d, e->recv_rows, st), "ep arrange");
@@ -372,6 +398,15 @@ static mm_err *error_from_words(mm_ep_engine *e, int deferred) {
   uint64_t key;
   memcpy(&key, e->err_h + 2, 8);
   const char *when = deferred ? "an earlier low-latency step" : "this step";
+  if (flags & MM_EP_ERR_PEER_TIMEOUT) {
+    /* The exchange gave up on the peer: like an NCCL timeout, fatal. */
+    char why[256];
+    snprintf(why, sizeof why,
+             "%s: waited more than comm.timeout-ms = %d for rank %d in a CUDA IPC exchange (the "
+             "peer is missing or hung); the transport is failed", when,
+             mm_ep_comm_timeout_ms(e->a.comm), e->err_h[1] - 1);
+    return mm_ep_comm_abort(e->a.comm, MEGAMOE_CODE_DEADLINE_EXCEEDED, why);
+  }
   if (flags & MM_EP_ERR_MODE_MISMATCH)
     return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
                     "%s: ranks disagreed on the dispatch mode or the low-latency capacity "
@@ -405,8 +440,12 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
   const int ll = e->mode == MM_EP_MODE_LOW_LATENCY;
   MM_TRY(mark(e->events[2], st));
   LAUNCH_TRY(mm_ep_launch_gather(d, e->recv_pairs, st), "ep gather");
-  MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->csend, e->cs_off, e->cs_bytes, d->crecv, e->cr_off,
-                              e->cr_bytes, st));
+  if (ll && e->ipc)
+    LAUNCH_TRY(mm_ep_launch_ipc_exchange(d, mm_ep_ipc_device(e->ipc), MM_EP_IPC_COMBINE, st),
+               "ep ipc combine");
+  else
+    MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->csend, e->cs_off, e->cs_bytes, d->crecv, e->cr_off,
+                                e->cr_bytes, st));
   LAUNCH_TRY(mm_ep_launch_combine(d, e->T, e->ids, out, st), "ep combine");
   MM_TRY(mark(e->events[3], st));
   CUDA_TRY(cudaMemcpyAsync(e->err_h, d->err, MM_EP_ERR_WORDS * 4, cudaMemcpyDeviceToHost, st),
@@ -427,7 +466,11 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
 
 mm_err *mm_ep_take_error(mm_ep_engine *e, void *stream, int wait) {
   if (wait) {
-    MM_TRY(mm_ep_comm_sync(e->a.comm, stream));
+    /* The IPC exchanges time out on the device after comm.timeout-ms: wait
+     * a little longer, so that their report (which names the peer) wins. */
+    const int t = mm_ep_comm_timeout_ms(e->a.comm);
+    const int slack = e->ipc ? (t / 10 > 1000 ? t / 10 : 1000) : 0;
+    MM_TRY(mm_ep_comm_sync_for(e->a.comm, stream, t > INT32_MAX - slack ? INT32_MAX : t + slack));
   } else if (cudaEventQuery(e->err_copied) != cudaSuccess) {
     cudaGetLastError();
     return NULL; /* the last step's words are still on their way */

@@ -11,7 +11,11 @@
  *                counts: all return RESOURCE_EXHAUSTED before the dispatch.
  *   low-latency  fixed per-peer segments (ll_tokens rows; ll_tokens * k
  *                combine rows), no host sync, no allocation: capturable in a
- *                CUDA graph. Device-side errors (invalid ids, pool overflow,
+ *                CUDA graph. Moved by NCCL, or, when the plan could set it
+ *                up (every rank on this node, peer access: ep_ipc.h), by
+ *                push kernels over CUDA IPC peer pointers; a peer that does
+ *                not arrive within comm.timeout-ms is then reported as
+ *                DEADLINE_EXCEEDED (fatal) by mm_ep_take_error. Device-side errors (invalid ids, pool overflow,
  *                ranks disagreeing on the mode) are recorded in device memory
  *                and copied to pinned memory at the end of each call; they are
  *                reported by mm_ep_take_error (the next call, or a check).
@@ -25,6 +29,7 @@
 #include <stdint.h>
 
 #include "ep_comm.h"
+#include "ep_ipc.h"
 #include "moe_compute.h"
 #include "routing.h"
 #include "status.h"
@@ -43,6 +48,8 @@ typedef struct mm_ep_engine_args {
   void *alloc_ctx;
   int (*dev_alloc)(void *ctx, int device, size_t bytes, void **ptr);
   void (*dev_free)(void *ctx, int device, void *ptr);
+  /* low-latency transport (ep_ipc.h); 0 = MEGAMOE_EP_TRANSPORT, else auto */
+  mm_ep_transport transport;
 } mm_ep_engine_args;
 
 typedef enum { MM_EP_MODE_NORMAL = 1, MM_EP_MODE_LOW_LATENCY = 2 } mm_ep_mode;
@@ -56,6 +63,8 @@ uint64_t mm_ep_engine_device_bytes(const mm_ep_engine *e);
 uint64_t mm_ep_engine_host_bytes(const mm_ep_engine *e);
 /* Largest T the low-latency mode takes (0: disabled). */
 int mm_ep_engine_ll_tokens(const mm_ep_engine *e);
+/* The low-latency steps' transport: MM_EP_TRANSPORT_IPC or MM_EP_TRANSPORT_NCCL. */
+mm_ep_transport mm_ep_engine_transport(const mm_ep_engine *e);
 /* Bytes the last step sent (own segment included): dispatch, combine. */
 void mm_ep_engine_step_bytes(const mm_ep_engine *e, int64_t *dispatch, int64_t *combine);
 

@@ -4,10 +4,13 @@
  * random top-k routing, the stand-in expert between dispatch and combine.
  *
  *   bench_ep [--ranks R] [--tokens T,T,...] [--ll-tokens T,...] [--iters N]
- *            [--hidden H] [--experts E] [--topk k]
- * Prints one markdown row per (mode, T) from rank 0: medians over N timed
- * iterations after 3 warm-ups (CUDA events). Bytes are what this rank sends
- * (the self segment included); GB/s = bytes / time. */
+ *            [--hidden H] [--experts E] [--topk k] [--transport nccl,ipc]
+ * Prints one markdown row per (mode, T) from rank 0, the low-latency mode
+ * once per transport of --transport (default both; "ipc" rows that fell back
+ * read "ipc->nccl"): medians over N timed iterations after 3 warm-ups (CUDA
+ * events). Bytes are what this rank sends (the self segment included; the
+ * IPC transport moves only the used rows of a fixed segment, the bytes
+ * column counts the full segments); GB/s = bytes / time. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,7 +24,9 @@
 typedef struct {
   int R, H, E, K, iters;
   int T, mode;            /* this run */
+  mm_ep_transport transport;
   char key[64];
+  mm_ep_transport used;   /* rank 0's engine */
   /* rank 0's results */
   double disp_us, comb_us, a2a_disp_us, a2a_comb_us;
   double disp_bytes, comb_bytes;
@@ -84,8 +89,10 @@ static void bench_rank(int rank, void *p) {
   const megamoe_host_services *hs = mm_host_services();
   mm_ep_comm_args ca = {rank, R, rank, NULL, c->key, 120000, NULL, hs->kv_put, hs->kv_get};
   BTRY(mm_ep_comm_create(&ca, &comm));
-  mm_ep_engine_args ea = {rank, R, rank, E, K, H, 2048, T, ll ? T : 0, 0, -1, comm, NULL, NULL, NULL};
+  mm_ep_engine_args ea = {rank, R, rank, E, K, H, 2048, T, ll ? T : 0, 0, -1, comm, NULL, NULL, NULL,
+                          c->transport};
   BTRY(mm_ep_engine_create(&ea, &eng));
+  if (rank == 0) c->used = mm_ep_engine_transport(eng);
   /* Per-rank random inputs (seeded by rank). */
   mm_test_rng_state_ = 0x1234567ull + (uint64_t)rank * 7919;
   ept_fill_hidden(x, T, H);
@@ -229,6 +236,8 @@ int main(int argc, char **argv) {
   int R = mm_cuda_device_count();
   int H = 6144, E = 256, K = 8, iters = 20;
   int Tn[8] = {128, 4096, 8192}, nn = 3, Tl[8] = {128, 256}, nl = 2;
+  mm_ep_transport trs[4] = {MM_EP_TRANSPORT_NCCL, MM_EP_TRANSPORT_IPC};
+  int ntr = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--ranks")) R = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--tokens")) nn = parse_list(argv[i + 1], Tn, 8);
@@ -237,6 +246,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--hidden")) H = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--experts")) E = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--topk")) K = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--transport")) {
+      ntr = 0;
+      for (const char *t = argv[i + 1]; t && *t && ntr < 4; t = strchr(t, ',') ? strchr(t, ',') + 1 : NULL)
+        trs[ntr++] = !strncmp(t, "ipc", 3) ? MM_EP_TRANSPORT_IPC : MM_EP_TRANSPORT_NCCL;
+    }
   }
   if (R <= 0) {
     printf("bench_ep: no GPU\n");
@@ -253,21 +267,30 @@ int main(int argc, char **argv) {
   int status = 0;
   for (int m = MM_EP_MODE_NORMAL; m <= MM_EP_MODE_LOW_LATENCY; m++) {
     int *Ts = m == MM_EP_MODE_NORMAL ? Tn : Tl, n = m == MM_EP_MODE_NORMAL ? nn : nl;
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n * (m == MM_EP_MODE_NORMAL ? 1 : ntr); i++) {
       bench_ctx c;
       memset(&c, 0, sizeof c);
-      c.R = R, c.H = H, c.E = E, c.K = K, c.iters = iters, c.T = Ts[i], c.mode = m;
+      const int ti = m == MM_EP_MODE_NORMAL ? 0 : i % ntr;
+      c.R = R, c.H = H, c.E = E, c.K = K, c.iters = iters, c.mode = m;
+      c.T = Ts[m == MM_EP_MODE_NORMAL ? i : i / ntr];
+      c.transport = m == MM_EP_MODE_NORMAL ? MM_EP_TRANSPORT_NCCL : trs[ti];
       snprintf(c.key, sizeof c.key, "bench-%d-%d", m, i);
       pthread_barrier_init(&c.barrier, NULL, (unsigned)R);
       ept_run_ranks(R, bench_rank, &c);
       pthread_barrier_destroy(&c.barrier);
+      char label[48];
+      if (m == MM_EP_MODE_NORMAL)
+        snprintf(label, sizeof label, "normal");
+      else
+        snprintf(label, sizeof label, "low-latency %s%s", mm_ep_transport_name(c.transport),
+                 c.transport == MM_EP_TRANSPORT_IPC && c.used != MM_EP_TRANSPORT_IPC ? "->nccl" : "");
       if (c.failed) {
-        printf("| %s | %d | %d | failed |\n", m == 1 ? "normal" : "low-latency", c.T, R);
+        printf("| %s | %d | %d | failed |\n", label, c.T, R);
         status = 1;
         continue;
       }
       printf("| %s | %d | %d | %.1f | %.2f | %.1f | %.1f | %.2f | %.1f | %.1f (%.1f) | %.1f (%.1f) |\n",
-             m == 1 ? "normal" : "low-latency", c.T, R, c.disp_us, c.disp_bytes / 1e6,
+             label, c.T, R, c.disp_us, c.disp_bytes / 1e6,
              c.disp_bytes / c.disp_us / 1e3, c.comb_us, c.comb_bytes / 1e6,
              c.comb_bytes / c.comb_us / 1e3, c.a2a_disp_us, c.disp_bytes / c.a2a_disp_us / 1e3,
              c.a2a_comb_us, c.comb_bytes / c.a2a_comb_us / 1e3);

@@ -32,7 +32,7 @@ typedef struct {
   float *w;
 } rig;
 
-static int rig_open(rig *g, int H, int E, int K, int max_tokens, int ll) {
+static int rig_open_tr(rig *g, int H, int E, int K, int max_tokens, int ll, mm_ep_transport tr) {
   memset(g, 0, sizeof *g);
   g->H = H, g->E = E, g->K = K, g->max_tokens = max_tokens, g->ll = ll;
   const megamoe_host_services *hs = mm_host_services();
@@ -41,7 +41,8 @@ static int rig_open(rig *g, int H, int E, int K, int max_tokens, int ll) {
   mm_ep_comm_args ca = {0, 1, 0, NULL, key, 60000, NULL, hs->kv_put, hs->kv_get};
   mm_err *err = mm_ep_comm_create(&ca, &g->comm);
   if (!err) {
-    mm_ep_engine_args ea = {0, 1, 0, E, K, H, 128, max_tokens, ll, 0, -1, g->comm, NULL, NULL, NULL};
+    mm_ep_engine_args ea = {0, 1, 0, E, K, H, 128, max_tokens, ll, 0, -1, g->comm, NULL, NULL, NULL,
+                            tr};
     err = mm_ep_engine_create(&ea, &g->eng);
   }
   if (err) {
@@ -65,6 +66,11 @@ static int rig_open(rig *g, int H, int E, int K, int max_tokens, int ll) {
   g->ids = malloc(tn * K * 4 + 4);
   g->w = malloc(tn * K * 4 + 4);
   return 0;
+}
+
+/* The low-latency transport from MEGAMOE_EP_TRANSPORT (auto: CUDA IPC, a local copy here). */
+static int rig_open(rig *g, int H, int E, int K, int max_tokens, int ll) {
+  return rig_open_tr(g, H, E, K, max_tokens, ll, MM_EP_TRANSPORT_DEFAULT);
 }
 
 static void rig_close(rig *g) {
@@ -214,6 +220,80 @@ static void test_engine_graph_replay(void) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   rig_close(&g);
+}
+
+/* The same low-latency steps over both transports (ep-size 1: the IPC
+ * exchange is the local-copy case): bit for bit equal to each other and to
+ * the expectation, with normal steps in between (they keep NCCL) and a
+ * graph replay on each. */
+static void test_engine_transports(void) {
+  static const struct { int H, E, K, ll; } shapes[] = {{256, 16, 4, 48}, {6144, 256, 8, 64}};
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    rig a, b;
+    const int H = shapes[si].H, E = shapes[si].E, K = shapes[si].K, ll = shapes[si].ll;
+    if (rig_open_tr(&a, H, E, K, ll, ll, MM_EP_TRANSPORT_NCCL)) return;
+    if (rig_open_tr(&b, H, E, K, ll, ll, MM_EP_TRANSPORT_IPC)) {
+      rig_close(&a);
+      return;
+    }
+    CHECK_EQ_INT(mm_ep_engine_transport(a.eng), MM_EP_TRANSPORT_NCCL);
+    CHECK_EQ_INT(mm_ep_engine_transport(b.eng), MM_EP_TRANSPORT_IPC);
+    printf("# transports H %d: rig a %s, rig b %s\n", H,
+           mm_ep_transport_name(mm_ep_engine_transport(a.eng)),
+           mm_ep_transport_name(mm_ep_engine_transport(b.eng)));
+    const int Ts[] = {1, ll, 0, 17, ll, 3, ll};
+    const ept_ids_kind kinds[] = {EPT_IDS_RANDOM, EPT_IDS_RANDOM, EPT_IDS_RANDOM, EPT_IDS_DUPLICATES,
+                                  EPT_IDS_ONE_EXPERT, EPT_IDS_MASKED, EPT_IDS_RANDOM};
+    const size_t n = (size_t)ll * H;
+    for (int i = 0; i < 7; i++) {
+      const int T = Ts[i];
+      if (i == 4) { /* a normal step in between: NCCL on both */
+        run_case(&a, MM_EP_MODE_NORMAL, ll, EPT_IDS_RANDOM, 1.0f);
+        run_case(&b, MM_EP_MODE_NORMAL, ll, EPT_IDS_RANDOM, 1.0f);
+      }
+      rig_inputs(&a, T, kinds[i]);
+      memcpy(b.x, a.x, (size_t)T * H * 2);
+      memcpy(b.ids, a.ids, (size_t)T * K * 4);
+      memcpy(b.w, a.w, (size_t)T * K * 4);
+      rig_upload(&a, T);
+      rig_upload(&b, T);
+      CHECK_OK(rig_step(&a, MM_EP_MODE_LOW_LATENCY, T, 2.5f));
+      CHECK_OK(rig_step(&b, MM_EP_MODE_LOW_LATENCY, T, 2.5f));
+      char what[96];
+      snprintf(what, sizeof what, "transport nccl H %d T %d ids %d", H, T, (int)kinds[i]);
+      rig_verify(&a, T, 2.5f, what);
+      snprintf(what, sizeof what, "transport ipc H %d T %d ids %d", H, T, (int)kinds[i]);
+      rig_verify(&b, T, 2.5f, what);
+      size_t d = count_diff(a.out, b.out, n);
+      CHECK_MSG(d == 0, "H %d T %d: %zu of %zu outputs differ between nccl and ipc", H, T, d, n);
+      CHECK_OK(mm_ep_take_error(a.eng, a.st, 1));
+      CHECK_OK(mm_ep_take_error(b.eng, b.st, 1));
+    }
+    /* a captured step on the IPC transport, replayed with new inputs */
+    const int T = ll - 1;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    CUDA_OK(cudaStreamBeginCapture(b.st, cudaStreamCaptureModeThreadLocal));
+    mm_err *err = rig_step(&b, MM_EP_MODE_LOW_LATENCY, T, 2.5f);
+    cudaError_t ce = cudaStreamEndCapture(b.st, &graph);
+    CHECK_OK(err);
+    CUDA_OK(ce);
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int it = 0; exec && it < 5; it++) {
+      rig_inputs(&b, T, it == 3 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM);
+      rig_upload(&b, T);
+      CUDA_OK(cudaGraphLaunch(exec, b.st));
+      char what[64];
+      snprintf(what, sizeof what, "ipc graph replay %d H %d", it, H);
+      rig_verify(&b, T, 2.5f, what);
+      if (it == 2) run_case(&b, MM_EP_MODE_LOW_LATENCY, 5, EPT_IDS_RANDOM, 1.0f); /* eager between */
+    }
+    CHECK_OK(mm_ep_take_error(b.eng, b.st, 1));
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    rig_close(&a);
+    rig_close(&b);
+  }
 }
 
 static const layer_shape kLayers[] = {
@@ -636,6 +716,7 @@ int main(void) {
   RUN(test_engine_both_modes);
   RUN(test_engine_edges);
   RUN(test_engine_graph_replay);
+  RUN(test_engine_transports);
   RUN(test_comm_failures);
   if (only && !strcmp(only, "engine")) return mm_test_done();
   RUN(test_backend_vs_reference);

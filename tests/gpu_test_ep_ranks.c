@@ -5,12 +5,17 @@
  * - A low-latency decode step captured in a CUDA graph on every rank and
  *   replayed MEGAMOE_TEST_REPLAYS times (default 50; the GPU suite asks for
  *   1000) with inputs rotating through 8 batches: every replay must equal
- *   the eager execute of the same batch bit for bit, with no error.
+ *   the eager execute of the same batch bit for bit, with no error. Once
+ *   over each low-latency transport (CUDA IPC, NCCL: MEGAMOE_EP_TRANSPORT);
+ *   the eager results of the two must be equal bit for bit.
+ * - Dispatch-mode auto: low-latency and normal steps (and T = 0) mixed, over
+ *   both transports: outputs equal bit for bit.
  * - The fault path: the last rank withholds its execute. Every other rank
  *   must return DEADLINE_EXCEEDED within comm.timeout-ms (plus slack) rather
- *   than hang, in both dispatch modes; the op is then fatal. Every rank
- *   destroys its op, new ops are built on a fresh communicator, and a
- *   normal step through them matches the CPU reference. */
+ *   than hang, in both dispatch modes and over both low-latency transports
+ *   (IPC: the device-side timeout, naming the peer); the op is then fatal.
+ *   Every rank destroys its op, new ops are built on a fresh communicator,
+ *   and a normal step through them matches the CPU reference. */
 #include <cuda_runtime.h>
 #include <sys/time.h>
 
@@ -34,6 +39,20 @@ static int test_ranks(void) {
   return R;
 }
 
+/* Whether every pair of the R GPUs can access each other (the IPC transport
+ * is then expected to be chosen). */
+static int peers_ok(int R) {
+  for (int a = 0; a < R; a++)
+    for (int b = 0; b < R; b++) {
+      int can = 0;
+      if (a != b && (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess || !can)) {
+        cudaGetLastError();
+        return 0;
+      }
+    }
+  return 1;
+}
+
 /* ---- graph replay at R ranks ------------------------------------------------------------ */
 
 enum { kBatches = 8 };
@@ -47,7 +66,8 @@ typedef struct {
   float *w;
   uint16_t *eager; /* [kBatches][R * T][H], written by the ranks */
   char key[64];
-  int failed, mismatched_replays, replay_errors;
+  const char *expect_transport; /* NULL: not checked */
+  int failed, mismatched_replays, replay_errors, wrong_transport;
   pthread_mutex_t lock;
 } replay_ctx;
 
@@ -66,14 +86,20 @@ static void replay_rank(int rank, void *p) {
   mm_err *err = bad ? NULL : make_op(s, c->R, rank, MM_DISPATCH_LOW_LATENCY, T, T, c->ex, c->key, &op);
   bad = bad || err || io_alloc(&io, T, s->H, s->K) ||
         cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess;
+  int wrong = 0;
+  if (!bad && !err) {
+    const char *tr = mm_cuda_transport(op);
+    if (rank == 0) printf("# rank 0: low-latency transport %s\n", tr);
+    wrong = c->expect_transport && strcmp(tr, c->expect_transport) != 0;
+  }
   /* eager results of every batch (a collective step on every rank) */
   for (int b = 0; b < kBatches && !bad && !err; b++) {
     size_t t0 = (size_t)b * G + (size_t)rank * T;
     bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
     if (!bad) err = op_run(op, &io, st);
+    if (!bad && !err) err = mm_cuda_check(op, st, 1); /* bounded: a failed peer is not a hang */
     if (!bad && !err)
-      bad = cudaStreamSynchronize(st) || cudaMemcpy(c->eager + t0 * s->H, io.d_out, n * 2,
-                                                    cudaMemcpyDeviceToHost);
+      bad = cudaMemcpy(c->eager + t0 * s->H, io.d_out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess;
   }
   if (!bad && !err) {
     bad = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess;
@@ -87,17 +113,18 @@ static void replay_rank(int rank, void *p) {
     int b = it % kBatches;
     size_t t0 = (size_t)b * G + (size_t)rank * T;
     bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K) ||
-          cudaGraphLaunch(exec, st) != cudaSuccess || cudaStreamSynchronize(st) != cudaSuccess ||
-          cudaMemcpy(got, io.d_out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess;
-    if (!bad && count_diff(got, c->eager + t0 * s->H, n)) mism++;
-    if (!bad && (it % 100 == 99 || it == c->replays - 1)) {
-      mm_err *e = mm_cuda_check(op, st, 1); /* device-side flags of the replays */
+          cudaGraphLaunch(exec, st) != cudaSuccess;
+    if (!bad) { /* bounded wait, and the device-side flags of the replay */
+      mm_err *e = mm_cuda_check(op, st, 1);
       if (e) {
         printf("# rank %d replay %d: %s\n", rank, it, e->message);
         megamoe_error_destroy(e);
         errs++;
+        bad = op->state == MM_OP_FATAL;
       }
     }
+    bad = bad || cudaMemcpy(got, io.d_out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess;
+    if (!bad && count_diff(got, c->eager + t0 * s->H, n)) mism++;
   }
   if (err) {
     printf("# rank %d: %s\n", rank, err->message);
@@ -108,6 +135,7 @@ static void replay_rank(int rank, void *p) {
   c->failed |= bad;
   c->mismatched_replays += mism;
   c->replay_errors += errs;
+  c->wrong_transport += wrong;
   pthread_mutex_unlock(&c->lock);
   if (exec) cudaGraphExecDestroy(exec);
   if (graph) cudaGraphDestroy(graph);
@@ -129,7 +157,7 @@ static void test_graph_replay_ranks(void) {
   c.x = malloc(kBatches * G * s->H * 2);
   c.ids = malloc(kBatches * G * s->K * 4);
   c.w = malloc(kBatches * G * s->K * 4);
-  c.eager = malloc(kBatches * G * s->H * 2);
+  uint16_t *eager[2] = {malloc(kBatches * G * s->H * 2), malloc(kBatches * G * s->H * 2)};
   uint16_t *want = malloc(G * s->H * 2);
   pthread_mutex_init(&c.lock, NULL);
   for (int b = 0; b < kBatches; b++) {
@@ -138,24 +166,144 @@ static void test_graph_replay_ranks(void) {
                  b == 3 ? EPT_IDS_ONE_EXPERT : b == 5 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM, b);
     ept_fill_weights(c.w + b * G * s->K, (int)G, s->K);
   }
-  snprintf(c.key, sizeof c.key, "ept-replay-%d", g_key_gen++);
-  double t0 = wall_ms();
-  ept_run_ranks(c.R, replay_rank, &c);
-  printf("# graph replay at %d ranks: %d replays of a %d-token low-latency step per rank in %.1f s, "
-         "%d replays differ from eager, %d checks reported errors\n",
-         c.R, c.replays, c.T, (wall_ms() - t0) / 1e3, c.mismatched_replays, c.replay_errors);
-  CHECK(!c.failed);
-  CHECK_EQ_INT(c.mismatched_replays, 0);
-  CHECK_EQ_INT(c.replay_errors, 0);
-  for (int b = 0; b < kBatches && !c.failed; b++) {
-    reference(s, c.ex, (int)G, c.x + b * G * s->H, c.ids + b * G * s->K, c.w + b * G * s->K, want);
-    double rel = rel_frob(c.eager + b * G * s->H, want, G * s->H);
-    printf("# batch %d: rel %.2e vs reference\n", b, rel);
-    CHECK(rel <= backend_tolerance(s->gran, s->cm));
+  const char *transports[2] = {"ipc", "nccl"};
+  const int p2p = peers_ok(c.R);
+  int failed_any = 0;
+  for (int ti = 0; ti < 2; ti++) {
+    setenv("MEGAMOE_EP_TRANSPORT", transports[ti], 1);
+    c.eager = eager[ti];
+    memset(c.eager, 0xFF, kBatches * G * s->H * 2);
+    c.failed = c.mismatched_replays = c.replay_errors = c.wrong_transport = 0;
+    c.expect_transport = ti == 1 || p2p ? transports[ti] : NULL;
+    snprintf(c.key, sizeof c.key, "ept-replay-%d", g_key_gen++);
+    double t0 = wall_ms();
+    ept_run_ranks(c.R, replay_rank, &c);
+    printf("# graph replay at %d ranks (transport %s): %d replays of a %d-token low-latency step "
+           "per rank in %.1f s, %d replays differ from eager, %d checks reported errors, %d ranks "
+           "on another transport\n",
+           c.R, transports[ti], c.replays, c.T, (wall_ms() - t0) / 1e3, c.mismatched_replays,
+           c.replay_errors, c.wrong_transport);
+    CHECK(!c.failed);
+    CHECK_EQ_INT(c.mismatched_replays, 0);
+    CHECK_EQ_INT(c.replay_errors, 0);
+    CHECK_EQ_INT(c.wrong_transport, 0);
+    failed_any |= c.failed;
+    for (int b = 0; b < kBatches && !c.failed; b++) {
+      reference(s, c.ex, (int)G, c.x + b * G * s->H, c.ids + b * G * s->K, c.w + b * G * s->K,
+                want);
+      double rel = rel_frob(c.eager + b * G * s->H, want, G * s->H);
+      printf("# batch %d: rel %.2e vs reference\n", b, rel);
+      CHECK(rel <= backend_tolerance(s->gran, s->cm));
+    }
+  }
+  unsetenv("MEGAMOE_EP_TRANSPORT");
+  if (!failed_any) {
+    size_t d = count_diff(eager[0], eager[1], kBatches * G * s->H);
+    printf("# eager low-latency steps at %d ranks, ipc vs nccl: %zu of %zu outputs differ%s\n",
+           c.R, d, kBatches * G * s->H, p2p ? "" : " (no peer access: both ran nccl)");
+    CHECK_EQ_INT(d, 0);
   }
   pthread_mutex_destroy(&c.lock);
   mm_experts_free((mm_expert_q *)c.ex, s->E);
-  free(c.x), free(c.ids), free(c.w), free(c.eager), free(want);
+  free(c.x), free(c.ids), free(c.w), free(eager[0]), free(eager[1]), free(want);
+}
+
+/* ---- dispatch-mode auto over both transports ------------------------------------------- */
+
+/* Low-latency steps (T <= 16) with normal ones (T = 40) and T = 0 between
+ * them: the IPC epochs stay in step across NCCL steps; every output equals
+ * the NCCL transport's bit for bit and the reference within tolerance. */
+enum { kMixSteps = 7, kMixMax = 48, kMixLL = 16 };
+static const int kMixT[kMixSteps] = {8, 40, 3, 0, 16, 1, 16};
+
+typedef struct {
+  int R;
+  const mm_expert_q *ex;
+  const uint16_t *x;
+  const int32_t *ids;
+  const float *w;
+  uint16_t *out; /* [kMixSteps][R][kMixMax][H] */
+  char key[64];
+  int failed;
+  pthread_mutex_t lock;
+} mix_ctx;
+
+static void mix_rank(int rank, void *p) {
+  mix_ctx *c = p;
+  const layer_shape *s = &kShape;
+  int bad = cudaSetDevice(rank) != cudaSuccess;
+  mm_op *op = NULL;
+  dev_io io = {0};
+  mm_err *err = bad ? NULL
+                    : make_op(s, c->R, rank, MM_DISPATCH_AUTO, kMixLL, kMixMax, c->ex, c->key, &op);
+  bad = bad || err || io_alloc(&io, kMixMax, s->H, s->K);
+  if (!bad && !err && rank == 0) printf("# rank 0: low-latency transport %s\n", mm_cuda_transport(op));
+  for (int i = 0; i < kMixSteps && !bad && !err; i++) {
+    const int T = kMixT[i];
+    const size_t t0 = ((size_t)i * c->R + (size_t)rank) * kMixMax;
+    io.T = T;
+    bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
+    if (!bad) err = op_run(op, &io, NULL);
+    if (!bad && !err) err = mm_cuda_check(op, NULL, 1);
+    if (!bad && !err && T > 0)
+      bad = cudaMemcpy(c->out + t0 * s->H, io.d_out, (size_t)T * s->H * 2,
+                       cudaMemcpyDeviceToHost) != cudaSuccess;
+  }
+  if (err) {
+    printf("# rank %d: %s\n", rank, err->message);
+    megamoe_error_destroy(err);
+    bad = 1;
+  }
+  pthread_mutex_lock(&c->lock);
+  c->failed |= bad;
+  pthread_mutex_unlock(&c->lock);
+  io_free(&io);
+  free_op(op);
+}
+
+static void test_auto_mode_transports(void) {
+  const layer_shape *s = &kShape;
+  const int R = test_ranks();
+  const size_t rows = (size_t)kMixSteps * R * kMixMax;
+  mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
+  uint16_t *x = malloc(rows * s->H * 2), *want = malloc((size_t)kMixMax * s->H * 2);
+  uint16_t *out[2] = {calloc(rows * s->H, 2), calloc(rows * s->H, 2)};
+  int32_t *ids = malloc(rows * s->K * 4);
+  float *w = malloc(rows * s->K * 4);
+  ept_fill_hidden(x, (int)rows, s->H);
+  ept_fill_ids(ids, (int)rows, s->K, s->E, EPT_IDS_RANDOM, 0);
+  ept_fill_weights(w, (int)rows, s->K);
+  const char *transports[2] = {"ipc", "nccl"};
+  int failed = 0;
+  for (int ti = 0; ti < 2; ti++) {
+    setenv("MEGAMOE_EP_TRANSPORT", transports[ti], 1);
+    mix_ctx c = {.R = R, .ex = ex, .x = x, .ids = ids, .w = w, .out = out[ti]};
+    snprintf(c.key, sizeof c.key, "ept-mix-%d", g_key_gen++);
+    pthread_mutex_init(&c.lock, NULL);
+    ept_run_ranks(R, mix_rank, &c);
+    pthread_mutex_destroy(&c.lock);
+    CHECK(!c.failed);
+    failed |= c.failed;
+  }
+  unsetenv("MEGAMOE_EP_TRANSPORT");
+  if (!failed) {
+    size_t d = count_diff(out[0], out[1], rows * s->H);
+    printf("# dispatch-mode auto at %d ranks, steps of 8, 40 (normal), 3, 0, 16, 1, 16 tokens: "
+           "ipc vs nccl: %zu of %zu outputs differ\n", R, d, rows * s->H);
+    CHECK_EQ_INT(d, 0);
+    double worst = 0;
+    for (int i = 0; i < kMixSteps; i++)
+      for (int r = 0; r < R && kMixT[i] > 0; r++) {
+        const size_t t0 = ((size_t)i * R + (size_t)r) * kMixMax;
+        reference(s, ex, kMixT[i], x + t0 * s->H, ids + t0 * s->K, w + t0 * s->K, want);
+        double rel = rel_frob(out[0] + t0 * s->H, want, (size_t)kMixT[i] * s->H);
+        if (rel > worst) worst = rel;
+      }
+    printf("# dispatch-mode auto: worst rel %.2e vs reference\n", worst);
+    CHECK(worst <= backend_tolerance(s->gran, s->cm));
+  }
+  mm_experts_free(ex, s->E);
+  free(x), free(want), free(out[0]), free(out[1]), free(ids), free(w);
 }
 
 /* ---- a rank withholds its execute ------------------------------------------------------- */
@@ -171,7 +319,8 @@ typedef struct {
   char key[64], key2[64];
   pthread_barrier_t barrier;
   pthread_mutex_t lock;
-  int failed, timeouts;
+  int ipc; /* the low-latency transport asked for is CUDA IPC */
+  int failed, timeouts, ipc_reports;
   double worst_ms;
 } fault_ctx;
 
@@ -179,7 +328,7 @@ static void fault_rank(int rank, void *p) {
   fault_ctx *c = p;
   const layer_shape *s = &kShape;
   const int withhold = rank == c->R - 1;
-  int bad = cudaSetDevice(rank) != cudaSuccess, timed_out = 0;
+  int bad = cudaSetDevice(rank) != cudaSuccess, timed_out = 0, ipc_report = 0;
   double ms = 0;
   mm_op *op = NULL;
   dev_io io = {0};
@@ -200,8 +349,12 @@ static void fault_rank(int rank, void *p) {
     if (!err) err = mm_cuda_check(op, NULL, 1);
     ms = wall_ms() - a;
     timed_out = err && err->code == MEGAMOE_CODE_DEADLINE_EXCEEDED && op->state == MM_OP_FATAL;
-    printf("# rank %d (%s): %s after %.0f ms\n", rank,
-           c->dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency",
+    /* the IPC exchange's own report, naming the withholding rank */
+    char peer[48];
+    snprintf(peer, sizeof peer, "for rank %d in a CUDA IPC exchange", c->R - 1);
+    ipc_report = err && strstr(err->message, peer) != NULL;
+    printf("# rank %d (%s, transport %s): %s after %.0f ms\n", rank,
+           c->dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency", mm_cuda_transport(op),
            err ? err->message : "no error", ms);
     megamoe_error_destroy(err);
     err = NULL;
@@ -227,6 +380,7 @@ static void fault_rank(int rank, void *p) {
   c->failed |= bad;
   if (!withhold) {
     c->timeouts += timed_out;
+    c->ipc_reports += ipc_report;
     if (ms > c->worst_ms) c->worst_ms = ms;
   }
   pthread_mutex_unlock(&c->lock);
@@ -247,21 +401,27 @@ static void test_withheld_execute(void) {
   ept_fill_weights(w, G, s->K);
   const int saved_timeout = g_comm_timeout_ms;
   g_comm_timeout_ms = 3000;
-  for (int dm = MM_DISPATCH_NORMAL; dm <= MM_DISPATCH_LOW_LATENCY; dm++) {
+  const int p2p = peers_ok(R);
+  /* normal; low-latency over NCCL; low-latency over CUDA IPC */
+  for (int variant = 0; variant < 3; variant++) {
+    const int dm = variant == 0 ? MM_DISPATCH_NORMAL : MM_DISPATCH_LOW_LATENCY;
+    setenv("MEGAMOE_EP_TRANSPORT", variant == 2 ? "ipc" : "nccl", 1);
     fault_ctx c = {.R = R, .T = T, .timeout_ms = g_comm_timeout_ms, .dm = (mm_dispatch_mode)dm,
-                   .ex = ex, .x = x, .ids = ids, .w = w, .out = out};
+                   .ex = ex, .x = x, .ids = ids, .w = w, .out = out, .ipc = variant == 2};
     snprintf(c.key, sizeof c.key, "ept-fault-%d", g_key_gen++);
     snprintf(c.key2, sizeof c.key2, "ept-fault-%d", g_key_gen++);
     pthread_barrier_init(&c.barrier, NULL, (unsigned)R);
     pthread_mutex_init(&c.lock, NULL);
     memset(out, 0xFF, (size_t)G * s->H * 2);
     ept_run_ranks(R, fault_rank, &c);
-    printf("# withheld execute at %d ranks (%s): %d of %d waiting ranks timed out, worst %.0f ms "
-           "(limit %d ms)\n",
-           R, dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency", c.timeouts, R - 1, c.worst_ms,
-           c.timeout_ms);
+    printf("# withheld execute at %d ranks (%s%s): %d of %d waiting ranks timed out, worst %.0f "
+           "ms (limit %d ms), %d reports from the IPC exchange\n",
+           R, dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency",
+           variant == 0 ? "" : variant == 1 ? ", nccl" : ", ipc", c.timeouts, R - 1, c.worst_ms,
+           c.timeout_ms, c.ipc_reports);
     CHECK(!c.failed);
     CHECK_EQ_INT(c.timeouts, R - 1);
+    if (c.ipc && p2p) CHECK_EQ_INT(c.ipc_reports, R - 1);
     CHECK(c.worst_ms < c.timeout_ms + 5000);
     reference(s, ex, G, x, ids, w, want);
     double rel = rel_frob(out, want, (size_t)G * s->H);
@@ -270,6 +430,7 @@ static void test_withheld_execute(void) {
     pthread_barrier_destroy(&c.barrier);
     pthread_mutex_destroy(&c.lock);
   }
+  unsetenv("MEGAMOE_EP_TRANSPORT");
   g_comm_timeout_ms = saved_timeout;
   mm_experts_free(ex, s->E);
   free(x), free(out), free(want), free(ids), free(w);
@@ -280,7 +441,9 @@ int main(void) {
   if (test_ranks() < 2) return mm_test_skip_all("fewer than two GPUs");
   setenv("NCCL_NVLS_ENABLE", "0", 0);
   mm_test_seed();
+  g_comm_timeout_ms = 20000; /* a broken peer costs seconds, not the suite */
   RUN(test_graph_replay_ranks);
+  RUN(test_auto_mode_transports);
   RUN(test_withheld_execute);
   return mm_test_done();
 }

@@ -122,6 +122,9 @@ static inline void mm_test_seed(void) {
   const char *s = getenv("MEGAMOE_TEST_SEED");
   uint64_t seed = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL) ^ (uint64_t)clock();
   mm_test_rng_state_ = seed;
+  /* line-buffered even into a file: a test killed by a timeout still shows
+   * how far it got */
+  setvbuf(stdout, NULL, _IOLBF, 0);
   printf("# seed %llu (MEGAMOE_TEST_SEED to replay)\n", (unsigned long long)seed);
 }
 static inline float mm_test_uniform(float lo, float hi) {
