@@ -20,6 +20,9 @@ typedef struct cuda_state {
   /* phase marks of the last eager execute: dispatch, compute, combine */
   cudaEvent_t ev[4];
   int ev_recorded;
+  /* the weight mode last logged (0 = none yet): the choice is logged once
+   * per op, again only if a later layer gets another mode */
+  int logged_wmode;
 } cuda_state;
 
 static cuda_state *state_of(mm_op *op) { return (cuda_state *)op->backend_state; }
@@ -97,6 +100,22 @@ static void cuda_release_layer(mm_op *op, int layer) {
   }
 }
 
+/* The layer's weight mode (mm_cuda_weight_mode); logs the choice and why
+ * once per op, and warns when auto found no mode within the bound. */
+static mm_weight_mode choose_mode(mm_op *op, int gran) {
+  cuda_state *s = state_of(op);
+  const mm_config *c = &op->cfg;
+  const mm_mode_choice ch = mm_choose_weight_mode(gran, c->compute_mode, c->compute_max_rel_error);
+  if (s->logged_wmode != (int)ch.mode) {
+    s->logged_wmode = (int)ch.mode;
+    char line[512];
+    mm_mode_choice_describe(&ch, gran, c->compute_mode, c->compute_max_rel_error, line,
+                            sizeof line);
+    mm_log(ch.met_bound ? MEGAMOE_LOG_INFO : MEGAMOE_LOG_WARN, "%s", line);
+  }
+  return ch.mode;
+}
+
 static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, int num_local,
                                   void *stream) {
   cuda_state *s = state_of(op);
@@ -104,9 +123,8 @@ static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, in
   mm_sm90_layer *L = NULL;
   if (!err) {
     int gran = experts && num_local > 0 ? experts[0].w13.gran : 0;
-    err = mm_sm90_layer_create(experts, num_local,
-                               mm_cuda_weight_mode(gran, op->cfg.compute_mode),
-                               stream ? stream : (void *)s->stream, &L);
+    const mm_weight_mode wm = choose_mode(op, gran);
+    err = mm_sm90_layer_create(experts, num_local, wm, stream ? stream : (void *)s->stream, &L);
   }
   /* The canonical copy is not needed once the device layout exists. */
   mm_experts_free(experts, num_local);

@@ -3,6 +3,7 @@
 #define MM_BACKEND_CUDA_H
 
 #include "backend.h"
+#include "mode_choice.h"
 #include "moe_compute.h"
 
 /* The documented check for errors a low-latency execute could not report
@@ -16,13 +17,14 @@
  * so the ranks stay in step) and returns what it found. */
 mm_err *mm_cuda_check(mm_op *op, void *stream, int wait);
 
-/* Weight mode for a layer of gran-k `gran` under compute.mode `mode`:
- * gran 32: bf16-exact -> 4 (F16 HGMMA, exact), fp8 / auto -> 1 (QGMMA);
- * gran 16: fp8 -> 3 (lossy fold), bf16-exact / auto -> 2 (exact).
- * Inline so that CPU-only tests check it (tests/test_layout_sm90.c). */
-static inline mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode) {
-  if (gran == 32) return mode == MM_COMPUTE_BF16_EXACT ? MM_WMODE_G32_F16_EXACT : MM_WMODE_G32_FP8;
-  return mode == MM_COMPUTE_FP8 ? MM_WMODE_G16_FP8 : MM_WMODE_G16_BF16_EXACT;
+/* Weight mode for a layer of gran-k `gran` under compute.mode `mode` and
+ * compute.max-rel-error `max_rel_error`: mm_choose_weight_mode
+ * (plugin/mode_choice.h). fp8: gran 32 -> 1, gran 16 -> 3; bf16-exact:
+ * gran 32 -> 4, gran 16 -> 2; auto: the fastest measured mode whose error
+ * bound is within max_rel_error (default 0.02: 1 for gran 32, 2 for 16). */
+static inline mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode,
+                                                 double max_rel_error) {
+  return mm_choose_weight_mode(gran, mode, max_rel_error).mode;
 }
 
 /* Which dispatch mode execute uses for T tokens (1 normal, 2 low-latency). */

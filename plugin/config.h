@@ -30,6 +30,9 @@ typedef struct mm_config {
   mm_requant_policy requant_policy;   /* requant.policy */
   double requant_max_rel_error;       /* requant.max-rel-error (default 0.25) */
   mm_compute_mode compute_mode;       /* compute.mode */
+  double compute_max_rel_error;       /* compute.max-rel-error: the largest end-to-end
+                                         relative output error compute.mode auto may
+                                         accept (default 0.02; plugin/mode_choice.h) */
   mm_model_config model;
   int ep_size;                 /* ep-size (default 1) */
   int num_max_tokens_per_rank; /* num-max-tokens-per-rank (default 4096) */

@@ -32,8 +32,11 @@ static size_t count_diff(const uint16_t *a, const uint16_t *b, size_t n) {
  * mode 1, FP8 QGMMA, whose ~14-bit accumulation between the FP32 promotions
  * flips more of them (measured up to 1.6e-2): 5e-2. */
 static double backend_tolerance(int gran, mm_compute_mode cm) {
-  const int exact = gran == 16 ? cm != MM_COMPUTE_FP8 : cm == MM_COMPUTE_BF16_EXACT;
-  return exact ? 5e-3 : 5e-2;
+  /* the mode the backend picks for make_op's ops (default compute.max-rel-error) */
+  mm_config d;
+  mm_config_defaults(&d);
+  const mm_weight_mode m = mm_cuda_weight_mode(gran, cm, d.compute_max_rel_error);
+  return mm_sm90_f16_mma(m) ? 5e-3 : 5e-2;
 }
 
 static double rel_frob(const uint16_t *a, const uint16_t *ref, size_t n) {

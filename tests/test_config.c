@@ -56,7 +56,9 @@ static int config_equal(const mm_config *a, const mm_config *b) {
   return a->schema_version == b->schema_version && a->gran_k == b->gran_k &&
          a->requant_policy == b->requant_policy &&
          a->requant_max_rel_error == b->requant_max_rel_error &&
-         a->compute_mode == b->compute_mode && a->model.hidden_size == b->model.hidden_size &&
+         a->compute_mode == b->compute_mode &&
+         a->compute_max_rel_error == b->compute_max_rel_error &&
+         a->model.hidden_size == b->model.hidden_size &&
          a->model.moe_intermediate_size == b->model.moe_intermediate_size &&
          a->model.num_experts == b->model.num_experts && a->model.top_k == b->model.top_k &&
          a->model.routed_scaling_factor == b->model.routed_scaling_factor &&
@@ -95,6 +97,7 @@ static void test_defaults(void) {
   CHECK_EQ_INT(d.requant_policy, MM_REQUANT_NONE);
   CHECK(d.requant_max_rel_error == 0.25);
   CHECK_EQ_INT(d.compute_mode, MM_COMPUTE_AUTO);
+  CHECK(d.compute_max_rel_error == 0.02);
   CHECK_EQ_INT(d.model.hidden_size, 6144);
   CHECK_EQ_INT(d.model.moe_intermediate_size, 2048);
   CHECK_EQ_INT(d.model.num_experts, 256);
@@ -182,7 +185,7 @@ static void test_every_key(void) {
       "requant:\n"
       "  policy: group16-to-group32\n"
       "  max-rel-error: 0.5\n"
-      "compute: {mode: bf16-exact}\n"
+      "compute: {mode: bf16-exact, max-rel-error: 0.001}\n"
       "model:\n"
       "  hidden-size: 4096\n"
       "  moe-intermediate-size: 1536\n"
@@ -204,6 +207,7 @@ static void test_every_key(void) {
       "requant.policy: group16-to-group32\n"
       "requant.max-rel-error: 5e-1\n"
       "compute.mode: \"bf16-exact\"\n"
+      "compute.max-rel-error: 1e-3\n"
       "model.hidden-size: +4096\n"
       "model.moe-intermediate-size: 1536\n"
       "model.num-experts: 160\n"
@@ -226,6 +230,7 @@ static void test_every_key(void) {
     CHECK_EQ_INT(c.requant_policy, MM_REQUANT_G16_TO_G32);
     CHECK(c.requant_max_rel_error == 0.5);
     CHECK_EQ_INT(c.compute_mode, MM_COMPUTE_BF16_EXACT);
+    CHECK(c.compute_max_rel_error == 0.001);
     CHECK_EQ_INT(c.model.hidden_size, 4096);
     CHECK_EQ_INT(c.model.moe_intermediate_size, 1536);
     CHECK_EQ_INT(c.model.num_experts, 160);
@@ -245,12 +250,18 @@ static void test_every_key(void) {
   mm_config c;
   CHECK_OK(load_text("num-max-tokens-per-rank: 1048576\nrequant: {max-rel-error: 1}\n"
                      "model: {num-experts: 1, top-k: 1, hidden-size: 128}\n"
-                     "gran-k: 32\ncomm.timeout-ms: 86400000\ndispatch.low-latency-max-tokens: 0",
+                     "gran-k: 32\ncomm.timeout-ms: 86400000\ndispatch.low-latency-max-tokens: 0\n"
+                     "compute.max-rel-error: 1",
                      NULL, 0, &c));
+  CHECK(c.compute_max_rel_error == 1.0);
   CHECK_EQ_INT(c.num_max_tokens_per_rank, 1 << 20);
   CHECK_EQ_INT(c.model.num_experts, 1);
   CHECK_EQ_INT(c.gran_k, 32);
   CHECK_EQ_INT(c.low_latency_max_tokens, 0);
+  CHECK_OK(load_text("compute: {max-rel-error: 1e-300}", NULL, 0, &c));
+  CHECK(c.compute_max_rel_error == 1e-300);
+  CHECK_OK(load_text("compute: {max-rel-error: '0.1'}", NULL, 0, &c)); /* quoted */
+  CHECK(c.compute_max_rel_error == 0.1);
 }
 
 static void test_names(void) {
@@ -287,6 +298,7 @@ static void test_overrides(void) {
                              {"gran-k", "auto"},
                              {"log-level", "warn"},
                              {"requant.max-rel-error", "0.125"},
+                             {"compute.max-rel-error", "1e-3"},
                              {"dispatch-mode", "normal"}};
   mm_config c;
   CHECK_OK(load_text(file, ov, sizeof ov / sizeof *ov, &c));
@@ -297,6 +309,7 @@ static void test_overrides(void) {
   CHECK_EQ_INT(c.gran_k, 0);
   CHECK_EQ_INT(c.log_level, 1);
   CHECK(c.requant_max_rel_error == 0.125);
+  CHECK(c.compute_max_rel_error == 1e-3);
   CHECK_EQ_INT(c.dispatch_mode, MM_DISPATCH_NORMAL);
   /* An override can fix what the file alone gets wrong (checks run after
    * merging), and break what the file alone gets right. */
@@ -374,6 +387,15 @@ static const bad_case bad_cases[] = {
     {"requant:\n  max-rel-error: .inf\n", 2, 18, "expected a finite number"},
     {"requant:\n  max-rel-error: 0\n", 2, 18, "out of range (0, 1]"},
     {"requant:\n  max-rel-error: 1.0000001\n", 2, 18, "out of range (0, 1]"},
+    {"compute:\n  max-rel-error: 0\n", 2, 18, "compute.max-rel-error: 0 is out of range (0, 1]"},
+    {"compute:\n  max-rel-error: -0.01\n", 2, 18, "out of range (0, 1]"},
+    {"compute:\n  max-rel-error: 1.5\n", 2, 18, "out of range (0, 1]"},
+    {"compute.max-rel-error: 2e0\n", 1, 24, "out of range (0, 1]"},
+    {"compute:\n  mode: auto\n  max-rel-error: fp8\n", 3, 18,
+     "compute.max-rel-error: expected a finite number, got 'fp8'"},
+    {"compute:\n  max-rel-error: nan\n", 2, 18, "expected a finite number, got 'nan'"},
+    {"compute:\n  max-rel-error: 2%\n", 2, 18, "expected a finite number"},
+    {"compute:\n  max-rel-error:\n", 2, 17, "compute.max-rel-error: missing value"},
     {"model:\n  routed-scaling-factor: 1e999\n", 2, 26, "expected a finite number"},
     {"model:\n  activation-clamp: -1\n", 2, 21, "out of range [0, 1e+06]"},
     {"model:\n  routed-scaling-factor: 0x1p3\n", 2, 26, "expected a finite number"},
@@ -475,6 +497,10 @@ static void test_bad_overrides(void) {
        "override 'requant.policy': ", "gran-k is 32"},
       {"", {{"ep-size", "1"}, {"requant.max-rel-error", "inf"}}, 2,
        "override 'requant.max-rel-error': ", "expected a finite number"},
+      {"", {{"compute.max-rel-error", "0"}}, 1, "override 'compute.max-rel-error': ",
+       "out of range (0, 1]"},
+      {"compute:\n  max-rel-error: 0.5\n", {{"compute.max-rel-error", "auto"}}, 1,
+       "override 'compute.max-rel-error': ", "expected a finite number, got 'auto'"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     mm_config c;
@@ -958,6 +984,8 @@ static void test_format_round_trip(void) {
     a.requant_policy = a.gran_k == 32 ? MM_REQUANT_NONE : (mm_requant_policy)rand_in(0, 1);
     a.requant_max_rel_error = 1.0 - mm_test_uniform(0.0f, 0.999f);
     a.compute_mode = (mm_compute_mode)rand_in(0, 2);
+    a.compute_max_rel_error = iter % 5 ? 1.0 - mm_test_uniform(0.0f, 0.999f)
+                                       : pow(10.0, -rand_in(1, 300));
     a.model.hidden_size = 128 * rand_in(1, 512);
     a.model.moe_intermediate_size = 128 * rand_in(1, 512);
     a.model.num_experts = rand_in(1, 4096);

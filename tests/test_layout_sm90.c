@@ -261,12 +261,20 @@ static void test_mode4_kperm(void) {
 /* compute.mode x gran-k -> weight mode (the cuda backend's choice), and the
  * mode properties the kernels and the workspace rely on. */
 static void test_weight_mode_selection(void) {
-  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_AUTO), MM_WMODE_G32_FP8);
-  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_FP8), MM_WMODE_G32_FP8);
-  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_BF16_EXACT), MM_WMODE_G32_F16_EXACT);
-  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_AUTO), MM_WMODE_G16_BF16_EXACT);
-  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_FP8), MM_WMODE_G16_FP8);
-  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_BF16_EXACT), MM_WMODE_G16_BF16_EXACT);
+  /* explicit modes ignore the bound; auto at the default 0.02 keeps the old
+   * rule (the full rule: tests/test_mode_choice.c) */
+  const double bounds[] = {1e-9, 1e-3, 0.02, 0.1, 1.0};
+  for (int b = 0; b < 5; b++) {
+    CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_FP8, bounds[b]), MM_WMODE_G32_FP8);
+    CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_BF16_EXACT, bounds[b]), MM_WMODE_G32_F16_EXACT);
+    CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_FP8, bounds[b]), MM_WMODE_G16_FP8);
+    CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_BF16_EXACT, bounds[b]),
+                 MM_WMODE_G16_BF16_EXACT);
+  }
+  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_AUTO, 0.02), MM_WMODE_G32_FP8);
+  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_AUTO, 0.02), MM_WMODE_G16_BF16_EXACT);
+  CHECK_EQ_INT(mm_cuda_weight_mode(32, MM_COMPUTE_AUTO, 1e-3), MM_WMODE_G32_F16_EXACT);
+  CHECK_EQ_INT(mm_cuda_weight_mode(16, MM_COMPUTE_AUTO, 0.1), MM_WMODE_G16_FP8);
   const int f16[5] = {0, 0, 1, 0, 1}, groups[5] = {0, 4, 8, 8, 4}, ref[5] = {0, 1, 0, 1, 1};
   for (int mode = 1; mode <= 4; mode++) {
     CHECK_EQ_INT(mm_sm90_f16_mma((mm_weight_mode)mode), f16[mode]);
