@@ -158,8 +158,9 @@ mm_err *mm_ep_comm_create(const mm_ep_comm_args *a, mm_ep_comm **out) {
   MM_TRY_GOTO(bootstrap_id(a, &id), err, fail);
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   /* Non-blocking, so that init and every call can be polled with the
-   * timeout; MEGAMOE_NCCL_BLOCKING=1 is an escape hatch for NCCL builds
-   * whose non-blocking mode misbehaves (init then cannot time out). */
+   * timeout. MEGAMOE_NCCL_BLOCKING=1 trades that for latency (NCCL completes
+   * non-blocking grouped calls on its own thread: measured 783 -> 444 us for
+   * a normal dispatch at 4096 tokens on 2 x H200; docs/CONFIG.md). */
   const char *blocking = getenv("MEGAMOE_NCCL_BLOCKING");
   cfg.blocking = blocking && blocking[0] == '1';
   c->owned = 1;
