@@ -175,4 +175,33 @@ static void reference(const layer_shape *s, const mm_expert_q *ex, int T, const 
   reference_clamped(s, ex, T, x, ids, w, 0.0f, out);
 }
 
+/* A global batch of G tokens with random routing (never skewed: skewed
+ * batches can exceed a multi-rank plan's pool, which is refused by design). */
+typedef struct {
+  uint16_t *x;
+  int32_t *ids;
+  float *w;
+} ept_batch;
+
+static void ept_batch_make(ept_batch *b, const layer_shape *s, int G) {
+  b->x = malloc((size_t)G * s->H * 2);
+  b->ids = malloc((size_t)G * s->K * 4);
+  b->w = malloc((size_t)G * s->K * 4);
+  ept_fill_hidden(b->x, G, s->H);
+  ept_fill_ids(b->ids, G, s->K, s->E, EPT_IDS_RANDOM, 0);
+  ept_fill_weights(b->w, G, s->K);
+}
+
+static void ept_batch_free(ept_batch *b) {
+  free(b->x), free(b->ids), free(b->w);
+}
+
+/* Prints a rank's error and destroys it; 1 if there was one. */
+static int ept_report(int rank, mm_err *err) {
+  if (!err) return 0;
+  printf("# rank %d: %s\n", rank, err->message);
+  megamoe_error_destroy(err);
+  return 1;
+}
+
 #endif

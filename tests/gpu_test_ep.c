@@ -103,6 +103,16 @@ static mm_err *rig_step(rig *g, mm_ep_mode mode, int T, float rsf) {
   return err;
 }
 
+/* One low-latency step (rsf 2.5) captured on the rig's stream and instantiated. */
+static void rig_capture(rig *g, int T, cudaGraph_t *graph, cudaGraphExec_t *exec) {
+  CUDA_OK(cudaStreamBeginCapture(g->st, cudaStreamCaptureModeThreadLocal));
+  mm_err *err = rig_step(g, MM_EP_MODE_LOW_LATENCY, T, 2.5f);
+  cudaError_t ce = cudaStreamEndCapture(g->st, graph);
+  CHECK_OK(err);
+  CUDA_OK(ce);
+  if (*graph) CUDA_OK(cudaGraphInstantiate(exec, *graph, 0));
+}
+
 static void rig_inputs(rig *g, int T, ept_ids_kind kind) {
   ept_fill_hidden(g->x, T, g->H);
   ept_fill_ids(g->ids, T, g->K, g->E, kind, (int)(mm_test_rand_u64() % (uint64_t)g->E));
@@ -196,12 +206,7 @@ static void test_engine_graph_replay(void) {
   run_case(&g, MM_EP_MODE_LOW_LATENCY, T, EPT_IDS_RANDOM, 1.0f); /* warm-up, eager */
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
-  CUDA_OK(cudaStreamBeginCapture(g.st, cudaStreamCaptureModeThreadLocal));
-  mm_err *err = rig_step(&g, MM_EP_MODE_LOW_LATENCY, T, 2.5f);
-  cudaError_t ce = cudaStreamEndCapture(g.st, &graph);
-  CHECK_OK(err);
-  CUDA_OK(ce);
-  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  rig_capture(&g, T, &graph, &exec);
   for (int it = 0; it < 4; it++) {
     rig_inputs(&g, T, it == 2 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM);
     rig_upload(&g, T);
@@ -273,12 +278,7 @@ static void test_engine_transports(void) {
     const int T = ll - 1;
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
-    CUDA_OK(cudaStreamBeginCapture(b.st, cudaStreamCaptureModeThreadLocal));
-    mm_err *err = rig_step(&b, MM_EP_MODE_LOW_LATENCY, T, 2.5f);
-    cudaError_t ce = cudaStreamEndCapture(b.st, &graph);
-    CHECK_OK(err);
-    CUDA_OK(ce);
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    rig_capture(&b, T, &graph, &exec);
     for (int it = 0; exec && it < 5; it++) {
       rig_inputs(&b, T, it == 3 ? EPT_IDS_DUPLICATES : EPT_IDS_RANDOM);
       rig_upload(&b, T);
@@ -659,11 +659,7 @@ static void group_rank(int rank, void *p) {
       bad = cudaDeviceSynchronize() ||
             cudaMemcpy(g->out + t0 * s->H, io.d_out, (size_t)g->T * s->H * 2, cudaMemcpyDeviceToHost);
   }
-  if (err) {
-    printf("# rank %d: %s\n", rank, err->message);
-    megamoe_error_destroy(err);
-    g->failed = 1;
-  }
+  if (ept_report(rank, err)) g->failed = 1;
   if (bad) g->failed = 1;
   io_free(&io);
   free_op(op);
@@ -674,13 +670,12 @@ static void rank_equality(int R) {
   const layer_shape *s = &kLayers[0];
   mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
   const int T = 33, G = R * T;
-  uint16_t *x = malloc((size_t)G * s->H * 2), *one = malloc((size_t)G * s->H * 2),
-           *many = malloc((size_t)G * s->H * 2);
-  int32_t *ids = malloc((size_t)G * s->K * 4);
-  float *w = malloc((size_t)G * s->K * 4);
-  ept_fill_hidden(x, G, s->H);
-  ept_fill_ids(ids, G, s->K, s->E, EPT_IDS_RANDOM, 0);
-  ept_fill_weights(w, G, s->K);
+  uint16_t *one = malloc((size_t)G * s->H * 2), *many = malloc((size_t)G * s->H * 2);
+  ept_batch in;
+  ept_batch_make(&in, s, G);
+  const uint16_t *x = in.x;
+  const int32_t *ids = in.ids;
+  const float *w = in.w;
   for (int dm = MM_DISPATCH_NORMAL; dm <= MM_DISPATCH_LOW_LATENCY; dm++) {
     group_ctx g1 = {s, ex, 1, G, (mm_dispatch_mode)dm, x, ids, w, one, "", 0};
     snprintf(g1.key, sizeof g1.key, "ept-group-%d", g_key_gen++);
@@ -695,7 +690,8 @@ static void rank_equality(int R) {
     CHECK_EQ_INT(d, 0);
   }
   mm_experts_free(ex, s->E);
-  free(x), free(one), free(many), free(ids), free(w);
+  ept_batch_free(&in);
+  free(one), free(many);
 }
 
 static void test_rank_equality(void) {

@@ -127,11 +127,7 @@ static void replay_rank(int rank, void *p) {
     bad = bad || cudaMemcpy(got, io.d_out, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess;
     if (!bad && count_diff(got, c->eager + t0 * s->H, n)) mism++;
   }
-  if (err) {
-    printf("# rank %d: %s\n", rank, err->message);
-    megamoe_error_destroy(err);
-    bad = 1;
-  }
+  bad |= ept_report(rank, err);
   pthread_mutex_lock(&c->lock);
   c->failed |= bad;
   c->mismatched_replays += mism;
@@ -254,11 +250,7 @@ static void mix_rank(int rank, void *p) {
       bad = cudaMemcpy(c->out + t0 * s->H, io.d_out, (size_t)T * s->H * 2,
                        cudaMemcpyDeviceToHost) != cudaSuccess;
   }
-  if (err) {
-    printf("# rank %d: %s\n", rank, err->message);
-    megamoe_error_destroy(err);
-    bad = 1;
-  }
+  bad |= ept_report(rank, err);
   pthread_mutex_lock(&c->lock);
   c->failed |= bad;
   pthread_mutex_unlock(&c->lock);
@@ -397,13 +389,12 @@ static void test_withheld_execute(void) {
   const layer_shape *s = &kShape;
   const int R = test_ranks(), T = 24, G = R * T;
   mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
-  uint16_t *x = malloc((size_t)G * s->H * 2), *out = malloc((size_t)G * s->H * 2),
-           *want = malloc((size_t)G * s->H * 2);
-  int32_t *ids = malloc((size_t)G * s->K * 4);
-  float *w = malloc((size_t)G * s->K * 4);
-  ept_fill_hidden(x, G, s->H);
-  ept_fill_ids(ids, G, s->K, s->E, EPT_IDS_RANDOM, 0);
-  ept_fill_weights(w, G, s->K);
+  uint16_t *out = malloc((size_t)G * s->H * 2), *want = malloc((size_t)G * s->H * 2);
+  ept_batch in;
+  ept_batch_make(&in, s, G);
+  const uint16_t *x = in.x;
+  const int32_t *ids = in.ids;
+  const float *w = in.w;
   const int saved_timeout = g_comm_timeout_ms;
   g_comm_timeout_ms = 3000;
   const int p2p = peers_ok(R);
@@ -438,7 +429,8 @@ static void test_withheld_execute(void) {
   unsetenv("MEGAMOE_EP_TRANSPORT");
   g_comm_timeout_ms = saved_timeout;
   mm_experts_free(ex, s->E);
-  free(x), free(out), free(want), free(ids), free(w);
+  ept_batch_free(&in);
+  free(out), free(want);
 }
 
 int main(void) {
