@@ -207,78 +207,46 @@ __device__ __forceinline__ float round_bf16(float x) {
 template <int FP8, int N>
 __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint64_t desc, int scale_d);
-template <>
-__device__ __forceinline__ void mma<1, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
 
-template <>
-__device__ __forceinline__ void mma<1, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void mma<1, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void mma<0, 16>(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void mma<0, 32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void mma<0, 64>(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
-}
-
+/* Inline asm wants literal operand lists, so one macro writes the six
+ * specializations. Per N: the accumulator's "+f" constraints and PTX operands
+ * (%0 .. %(N/2 - 1)), then the operands after them: {a0..a3}, desc and
+ * scale_d. KTYPE: K and the input types; TAIL: F16's B-transpose immediate. */
+#define MM_ACC8(d, o)                                                                        \
+  "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
+      "+f"(d[o + 6]), "+f"(d[o + 7])
+#define MM_ACC_16(d) MM_ACC8(d, 0)
+#define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
+#define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
+#define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define MM_D_64 \
+  MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MM_AB_16 "{%8, %9, %10, %11}, %12"
+#define MM_AB_32 "{%16, %17, %18, %19}, %20"
+#define MM_AB_64 "{%32, %33, %34, %35}, %36"
+#define MM_SCALE_16 "%13"
+#define MM_SCALE_32 "%21"
+#define MM_SCALE_64 "%37"
+#define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
+  template <>                                                                            \
+  __device__ __forceinline__ void mma<FP8, N>(float (&d)[N / 2], uint32_t a0, uint32_t a1, \
+                                              uint32_t a2, uint32_t a3, uint64_t desc,     \
+                                              int scale_d) {                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " MM_SCALE_##N ", 0;\n"               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N KTYPE " "                       \
+                 "{" MM_D_##N "}, " MM_AB_##N ", p, 1, 1" TAIL ";\n}\n"                  \
+                 : MM_ACC_##N(d)                                                        \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));       \
+  }
+#define MM_WGMMA_N(N)                      \
+  MM_WGMMA(1, N, "k32.f32.e4m3.e4m3", "") \
+  MM_WGMMA(0, N, "k16.f32.f16.f16", ", 0")
+MM_WGMMA_N(16)
+MM_WGMMA_N(32)
+MM_WGMMA_N(64)
+#undef MM_WGMMA_N
+#undef MM_WGMMA
 
 /* ------------------------------------------------------------- kernel ---- */
 
