@@ -200,6 +200,10 @@ __device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
 __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
+/* Token column of the k-th of a lane's N / 4 accumulator columns (q = lane
+ * % 4): the m64nN fragment holds column 8 * (k / 2) + 2q + (k & 1) in
+ * register 4 * (k / 2) + (k & 1) (row r0) and in that + 2 (row r0 + 8). */
+__device__ __forceinline__ int acc_col(int k, int q) { return 8 * (k >> 1) + 2 * q + (k & 1); }
 
 /* mma<FP8, N>: one m64nNk32 (FP8 E4M3) or m64nNk16 (F16) WGMMA, A from
  * registers, B from a shared-memory descriptor, D += A*B (D = A*B when
@@ -362,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float sx[BN / 4];
 #pragma unroll
       for (int k = 0; k < BN / 4; k++) {
-        const float v = sS[8 * (k >> 1) + 2 * q + (k & 1)];
+        const float v = sS[acc_col(k, q)];
         sx[k] = MODE == 2 ? v * 16384.0f : v;
       }
       uint32_t wd[2][8];
@@ -404,24 +408,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                 a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
                 a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
               }
-            } else if (MODE == 4) {
-              /* mode 1's E4M3 decode, then each byte pair to an F16 pair: FP8
-               * register rr (+2) of step ch splits into F16 register rr (+2)
-               * of the k16 steps 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
-              const uint32_t word = wd[j][2 * ch + rr];
-              const uint2 l = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
-              const uint32_t sel = word & 0x77777777u;
-              const uint32_t lo = prmt(l.x, l.y, sel) | (word & 0x80808080u);
-              const uint32_t hi = prmt(l.x, l.y, sel >> 16) | ((word << 4) & 0x80808080u);
-              a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
-              a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
-              a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
-              a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
             } else {
               const uint32_t word = wd[j][2 * ch + rr];
               uint2 llo, lhi;
               /* byte extract with one prmt (zero-filled from the 0 operand) */
-              if (MODE == 1) {
+              if (C::kG32) {
                 llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
               } else {
                 const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
@@ -429,28 +420,35 @@ __global__ void __launch_bounds__(kThreads, 1)
                 lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
               }
               const uint32_t sel = word & 0x77777777u;
-              a[buf][j][0][rr] = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
-              a[buf][j][0][rr + 2] = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+              const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
+              const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+              if (MODE == 4) {
+                /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
+                 * step ch splits into F16 register rr (+2) of the k16 steps
+                 * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
+                a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
+                a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
+                a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
+                a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
+              } else {
+                a[buf][j][0][rr] = lo;
+                a[buf][j][0][rr + 2] = hi;
+              }
             }
           }
         }
         wg_fence();
+        constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-          if (C::kF16) {
+        for (int j = 0; j < 2; j++)
 #pragma unroll
-            for (int ss = 0; ss < 2; ss++) {
-              const int s = 2 * ch + ss;
-              const uint64_t d = desc_b(bB + (s >> 2) * C::kSlab + (s & 3) * 32);
-              mma<0, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
-                         a[buf][j][ss][3], d, ch + ss > 0);
-            }
-          } else {
-            const uint64_t d = desc_b(bB + ch * 32);
-            mma<1, BN>(acc[j], a[buf][j][0][0], a[buf][j][0][1], a[buf][j][0][2],
-                       a[buf][j][0][3], d, ch > 0);
+          for (int ss = 0; ss < kSteps; ss++) {
+            /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
+            const int s = kSteps * ch + ss;
+            const uint64_t d = desc_b(bB + (s >> 2) * C::kSlab + (s & 3) * 32);
+            mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
+                              a[buf][j][ss][3], d, s > 0);
           }
-        }
         wg_commit();
       }
       wg_wait<0>();
@@ -477,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float rwv[NC], av[2][NC], amx[NC];
 #pragma unroll
       for (int k = 0; k < NC; k++) {
-        const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+        const int col = acc_col(k, q);
         rwv[k] = col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
         amx[k] = 0.0f;
       }
@@ -508,11 +506,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       float *red = (float *)(sm + S::kOffRed);
       if (g == 0)
 #pragma unroll
-        for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + 8 * (k >> 1) + 2 * q + (k & 1)] = amx[k];
+        for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
       named_sync(1, 256);
 #pragma unroll
       for (int k = 0; k < NC; k++) {
-        const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+        const int col = acc_col(k, q);
         float m = 0.0f;
 #pragma unroll
         for (int x = 0; x < 8; x++) m = fmaxf(m, red[x * BN + col]);
@@ -556,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int k = 0; k < BN / 4; k++) {
             const int i = 4 * (k >> 1) + 2 * h + (k & 1);
-            const int col = 8 * (k >> 1) + 2 * q + (k & 1);
+            const int col = acc_col(k, q);
             stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
           }
         }
