@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # bench.sh -- GPU benchmarks (run by `make bench` from the build directory, or
 # by hand: scripts/bench.sh [build dir]). Prints markdown tables for
-# docs/PERF.md. Needs one GPU; exits 77 without one.
-#   BENCH_ARGS  extra arguments for bench_moe_compute (e.g. "--M 256,1024")
+# docs/PERF.md. Needs a GPU; exits 77 without one. Uses every visible GPU
+# for the expert-parallel parts.
+#   BENCH_ARGS     extra arguments for bench_moe_compute (e.g. "--M 256,1024")
+#   BENCH_EP_ARGS  arguments for bench_ep (default: --tokens 4096 --ll-tokens 1,32,128)
+#   BENCH_LAYER=0  skip the whole-layer run (it synthesizes a 5.4 GB GLM-5 layer
+#                  in BENCH_WORK, default a temp dir, unless BENCH_LAYER_CKPT names one)
 set -euo pipefail
 build=${1:-${MEGAMOE_BUILDDIR:-$PWD}}
 export LD_LIBRARY_PATH=${CUDA_LIBDIR:-/usr/local/cuda/lib64}:${LD_LIBRARY_PATH:-}
@@ -22,4 +26,40 @@ if [ -x "$b" ]; then
     # shellcheck disable=SC2086
     "$b" $args ${BENCH_ARGS:-}
   done
+fi
+
+## Weight preparation on the GPU and the CPU load path
+for b in "$build/bench/bench_prep" "$build/bench/bench_load"; do
+  if [ -x "$b" ]; then echo "## $(basename "$b")"; "$b"; fi
+done
+
+## Dispatch / combine (every visible GPU, both low-latency transports) beside a
+## plain same-bytes NCCL all-to-all
+b="$build/tests/bench_ep"
+if [ -x "$b" ]; then
+  echo "## bench_ep ${BENCH_EP_ARGS:---tokens 4096 --ll-tokens 1,32,128}"
+  # shellcheck disable=SC2086
+  "$b" ${BENCH_EP_ARGS:---tokens 4096 --ll-tokens 1,32,128}
+fi
+
+## Whole layer through the plugin ABI (megamoe-host, ep-size = visible GPUs)
+if [ "${BENCH_LAYER:-1}" != 0 ] && [ -x "$build/host/megamoe-host" ]; then
+  ck=${BENCH_LAYER_CKPT:-}
+  if [ -z "$ck" ]; then
+    work=${BENCH_WORK:-$(mktemp -d)}
+    ck=$work/ckpt
+    [ -e "$ck" ] || "$build/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
+      --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast
+  fi
+  src=$(cd "$(dirname "$0")/.." && pwd)
+  plugin=$build/plugin/.libs/libmegamoe_plugin.so
+  for policy in none group16-to-group32; do
+    echo "## whole layer, requant $policy"
+    "$build/host/megamoe-host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" \
+      --checkpoint "$ck" --set requant.policy=$policy --set model.hidden-size=6144 \
+      --set model.moe-intermediate-size=2048 --set model.num-experts=256 --set model.top-k=8 \
+      --set num-max-tokens-per-rank=8192 --tokens 8,128,1024,8192 --iters 20 --warmup 3 \
+      --check-tokens 4 2>&1 | grep -E 'phases|PASS|FAIL' || true
+  done
+  if [ -z "${BENCH_LAYER_CKPT:-}" ] && [ -z "${BENCH_WORK:-}" ]; then rm -rf "$work"; fi
 fi
