@@ -12,6 +12,7 @@
 #include "harness.h"
 #include "backend_cuda.h"
 #include "layout_sm90.h"
+#include "sm90_test_scales.h"
 
 static void rand_codes(mm_qmat *m) {
   for (size_t i = 0; i < (size_t)m->rows * m->cols / 2; i++) m->codes[i] = (uint8_t)mm_test_rand_u64();
@@ -103,17 +104,7 @@ static void test_g32_extremes(void) {
   mm_qmat m;
   CHECK(mm_qmat_alloc(&m, 64, 256, 32, MM_SF_UE8M0) == 0);
   rand_codes(&m);
-  for (int r = 0; r < 64; r++)
-    for (int g = 0; g < 8; g++) {
-      uint8_t b;
-      switch (r % 4) {
-        case 0: b = g < 4 ? (g == 0 ? 254 : 254 - 14) : (g == 4 ? 14 : 0); break;
-        case 1: b = (uint8_t)(g % 2 ? 200 : 186); break;
-        case 2: b = (uint8_t)(g % 4 == 0 ? 1 : 15); break;
-        default: b = (uint8_t)(127 + (g % 3) * 5); break;
-      }
-      m.scales[(size_t)r * 8 + g] = b;
-    }
+  mm_test_g32_extreme_scales(&m);
   /* an all-zero group with a far-away exponent must not matter */
   for (int k = 32; k < 64; k++) mm_fp4_set(m.codes + 5 * 128, (size_t)k, (k & 1) ? 8 : 0);
   m.scales[5 * 8 + 1] = 3;

@@ -13,6 +13,7 @@
 #include "formats.h"
 #include "harness.h"
 #include "layout_sm90.h"
+#include "sm90_test_scales.h"
 #include "layout_sm90_pack.h"
 
 static uint8_t rand_e4m3_any(void) {
@@ -152,17 +153,7 @@ static void test_mode1_extremes(void) {
   mm_qmat m;
   CHECK(mm_qmat_alloc(&m, 64, 256, 32, MM_SF_UE8M0) == 0);
   rand_codes(&m);
-  for (int r = 0; r < 64; r++)
-    for (int g = 0; g < 8; g++) {
-      uint8_t b;
-      switch (r % 4) {
-        case 0: b = g < 4 ? (g == 0 ? 254 : 254 - 14) : (g == 4 ? 14 : 0); break;
-        case 1: b = (uint8_t)(g % 2 ? 200 : 186); break;
-        case 2: b = (uint8_t)(g % 4 == 0 ? 1 : 15); break;
-        default: b = (uint8_t)(127 + (g % 3) * 5); break;
-      }
-      m.scales[(size_t)r * 8 + (size_t)g] = b;
-    }
+  mm_test_g32_extreme_scales(&m);
   compare_pack(&m, MM_WMODE_G32_FP8, 0, 2);
   /* all-zero matrix: every group's exponent is ignored */
   memset(m.codes, 0, 64 * 128);
