@@ -29,6 +29,16 @@ export MEGAMOE_TEST_REPLAYS=${MEGAMOE_TEST_REPLAYS:-1000}
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 rows=()
 row() { rows+=("$(printf '%-40s %s' "$1" "$2")"); }
+# The layer and mp steps run megamoe-host on a one-layer GLM-5 checkpoint: the
+# e2e step's, else synthesized here once.
+ck=/tmp/e2e/ckpt
+glm_ckpt() {
+  [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
+    --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/synth.log" 2>&1
+}
+glm_host=("$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so"
+  --config "$src/conf/megamoe.yaml" --checkpoint "$ck" --set model.hidden-size=6144
+  --set model.moe-intermediate-size=2048 --set model.num-experts=256 --set model.top-k=8)
 
 nvidia-smi -L 2>&1 | tee "$out/gpus.txt" || true
 if [[ " $steps " == *" tests "* ]]; then
@@ -67,18 +77,12 @@ if [[ " $steps " == *" e2e "* ]]; then
   row "e2e_smoke" "$(tail -1 "$out/e2e.log")"
 fi
 if [[ " $steps " == *" layer "* ]]; then
-  # Whole-layer latency per tokens-per-rank on the e2e checkpoint (made by
-  # the e2e step; else one GLM-5 layer is synthesized here).
-  ck=/tmp/e2e/ckpt
-  [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
-    --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/layer-synth.log" 2>&1
+  # Whole-layer latency per tokens-per-rank on the GLM-5 checkpoint.
+  glm_ckpt
   lt=${GPU_SUITE_LAYER_TOKENS:-8,128,1024,8192}
   maxt=$(tr ',' '\n' <<<"$lt" | sort -n | tail -1)
   for policy in ${GPU_SUITE_LAYER_POLICIES:-none}; do
-    timeout 600 "$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so" \
-      --config "$src/conf/megamoe.yaml" --checkpoint "$ck" --set requant.policy=$policy \
-      --set model.hidden-size=6144 --set model.moe-intermediate-size=2048 \
-      --set model.num-experts=256 --set model.top-k=8 --set num-max-tokens-per-rank=$maxt \
+    timeout 600 "${glm_host[@]}" --set requant.policy=$policy --set num-max-tokens-per-rank=$maxt \
       --tokens "$lt" --iters 20 --warmup 3 --check-tokens 4 >"$out/layer-$policy.log" 2>&1
     row "layer latency ($policy, $gpus GPU)" "rc=$? $(grep -E 'PASS|FAIL' "$out/layer-$policy.log" | tail -1 | sed 's/.*rel_err/rel_err/')"
   done
@@ -86,13 +90,8 @@ fi
 if [[ " $steps " == *" mp "* ]]; then
   # The multi-process host: one process per GPU, rendezvous over loopback
   # (ranks in other processes: the CUDA IPC transport opens IPC handles).
-  ck=/tmp/e2e/ckpt
-  [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
-    --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/mp-synth.log" 2>&1
-  timeout 300 "$src/scripts/mp_launch.sh" -n "$gpus" -d "$out/mp" -t 120 -- \
-    "$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so" \
-    --config "$src/conf/megamoe.yaml" --checkpoint "$ck" --set model.hidden-size=6144 \
-    --set model.moe-intermediate-size=2048 --set model.num-experts=256 --set model.top-k=8 \
+  glm_ckpt
+  timeout 300 "$src/scripts/mp_launch.sh" -n "$gpus" -d "$out/mp" -t 120 -- "${glm_host[@]}" \
     --set num-max-tokens-per-rank=4096 --set comm.timeout-ms=60000 --tokens 128,4096 \
     --iters 5 --warmup 1 --check-tokens 4 >"$out/mp.log" 2>&1
   row "multi-process host ($gpus ranks)" "rc=$? $(grep -E 'PASS|FAIL' "$out/mp.log" | tail -1 | cut -c1-150)"
