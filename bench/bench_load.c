@@ -26,15 +26,8 @@
 #include "layout_sm90_pack.h"
 #include "parallel.h"
 #include "weights_load.h"
+#include "bench_util.h"
 
-#define OK(call)                                                                 \
-  do {                                                                           \
-    mm_err *e_ = (call);                                                         \
-    if (e_) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, e_->message); \
-      exit(1);                                                                   \
-    }                                                                            \
-  } while (0)
 
 static void *xmalloc(size_t n) {
   void *p = malloc(n ? n : 1);

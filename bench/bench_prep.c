@@ -17,6 +17,7 @@
 #include "parallel.h"
 #include "prep.h"
 #include "requant.h"
+#include "bench_util.h"
 
 #define CU(call)                                                                     \
   do {                                                                               \
@@ -25,14 +26,6 @@
       fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
       exit(1);                                                                       \
     }                                                                                \
-  } while (0)
-#define OK(call)                                                                 \
-  do {                                                                           \
-    mm_err *e_ = (call);                                                         \
-    if (e_) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, e_->message); \
-      exit(1);                                                                   \
-    }                                                                            \
   } while (0)
 
 static int cmp_float(const void *a, const void *b) {
