@@ -38,8 +38,7 @@
 
 namespace {
 
-constexpr int kThreads = 384;
-constexpr int kRowsCta = 256;  /* weight rows per work unit */
+constexpr int kRowsCta = 256;  /* weight rows per work unit: 4 m64 tiles */
 constexpr int kMaxExperts = 256;
 constexpr int kSmemLimit = 232448;
 
@@ -61,12 +60,13 @@ struct Cfg {
   static constexpr int kStage = kA + kB + kS;
 };
 
-template <int MODE, int GEMM, int BN>
+/* NWG consumer warpgroups (2 or 4) share a work unit's 4 m64 tiles. */
+template <int MODE, int GEMM, int BN, int NWG>
 struct Smem {
   using C = Cfg<MODE, BN>;
   static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
-                                2 * 4 * BN * 4 /* amax */ + kStaging +
+                                4 * NWG * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
   static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
@@ -76,7 +76,7 @@ struct Smem {
   static constexpr int kOffS = kOffA + kStages * C::kA;
   static constexpr int kOffLut = kOffS + kStages * C::kS;
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
-  static constexpr int kOffStg = kOffRed + 2 * 4 * BN * 4;
+  static constexpr int kOffStg = kOffRed + 4 * NWG * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
   static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
   static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
@@ -92,6 +92,7 @@ struct Params {
   const uint8_t *lut;
   const int32_t *offsets;
   int E, rows, K, Mp, M;
+  int mixed;             /* 64-wide tiles for experts with more than BS rows */
   const float *row_weight;
   float clamp;
   uint8_t *act;          /* L1 out: [Mp][I] FP8 or F16 */
@@ -254,127 +255,156 @@ MM_WGMMA_N(64)
 
 /* ------------------------------------------------------------- kernel ---- */
 
-/* Walks this CTA's work units: returns false when done. */
+/* Work units: (expert, 256-row block, token tile). An expert with at most BS
+ * rows gets one BS-wide token tile; with mixed tiles (BS < 64) an expert
+ * with more rows gets 64-wide tiles, so a skewed expert's weights are
+ * decoded once per 64 of its tokens rather than once per BS. */
 struct Unit {
-  int e, rb, nt, tok0, valid;
+  int e, rb, nt, tok0, valid, bn;
 };
-template <int kBN>
-__device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int u,
-                                          int *e, Unit *out) {
+template <int BS, bool kMixed>
+__device__ __forceinline__ int unit_tile(int m, int mixed) {
+  return kMixed && mixed && m > BS ? 64 : BS;
+}
+/* Walks this CTA's work units: returns false when done. */
+template <int BS, bool kMixed>
+__device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int mixed,
+                                          int u, int *e, Unit *out) {
   if (u >= sched[E]) return false;
   while (sched[*e + 1] <= u) (*e)++;
-  const int m = off[*e + 1] - off[*e], ntc = (m + kBN - 1) / kBN;
+  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed>(m, mixed), ntc = (m + bn - 1) / bn;
   const int local = u - sched[*e];
   out->e = *e;
   out->rb = local / ntc;
   out->nt = local % ntc;
-  out->tok0 = off[*e] + out->nt * kBN;
-  out->valid = min(kBN, m - out->nt * kBN);
+  out->bn = bn;
+  out->tok0 = off[*e] + out->nt * bn;
+  out->valid = min(bn, m - out->nt * bn);
   return true;
 }
 
-template <int MODE, int GEMM, int BN>
-__global__ void __launch_bounds__(kThreads, 1)
-    wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
-              const __grid_constant__ CUtensorMap tmS) {
-  using C = Cfg<MODE, BN>;
-  using S = Smem<MODE, GEMM, BN>;
-  constexpr int kBN = BN;
-  constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
-  extern __shared__ uint8_t smem_raw[];
-  /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
-  uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  uint64_t *full = (uint64_t *)(sm + S::kOffBar);
-  uint64_t *empty = full + S::kStages;
-  int *sched = (int *)(sm + S::kOffSched);
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const int E = p.E, KB = p.K / 128, RB = p.rows / kRowsCta;
+/* Threads and register split per consumer-warpgroup count: the entry count
+ * (65536 / threads, rounded down to 8) times the threads is the CTA's pool;
+ * the producer gives back down to 40 and the consumers take the rest
+ * (2 consumers: 168 -> 40 / 232; 4 consumers: 96 -> 40 / 104). */
+template <int NWG>
+struct Warps {
+  static constexpr int kThreads = 128 * (NWG + 1);
+  static constexpr int kTiles = 4 / NWG; /* m64 tiles per consumer warpgroup */
+  static constexpr int kEntry = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs =
+      ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8 > 232
+          ? 232
+          : ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8;
+  static_assert(NWG == 2 || NWG == 4, "2 or 4 consumer warpgroups");
+  static_assert(128 * kProducerRegs + 128 * NWG * kConsumerRegs <= kEntry * kThreads,
+                "register pool over-committed (setmaxnreg.inc would hang)");
+};
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+/* 2^e as FP32, exact for e in [-149, 127] and 0 below (as mm_sm90_pow2),
+ * without branches: the product of two normal powers of two rounds only
+ * below the smallest subnormal (2^-150 is a tie to 0). */
+__device__ __forceinline__ float pow2_exact(int e) {
+  const int h = e >> 1;
+  return __fmul_rn(__int_as_float((h + 127) << 23), __int_as_float((e - h + 127) << 23));
+}
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S::kStages; s++) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8); /* one lane per consumer warp */
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    int acc = 0;
-    for (int e = 0; e < E; e++) {
-      sched[e] = acc;
-      const int m = p.offsets[e + 1] - p.offsets[e];
-      acc += (m + kBN - 1) / kBN * RB;
-    }
-    sched[E] = acc;
-  }
-  if (MODE != 2) /* fold table: modes 1, 3, 4 */
-    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += kThreads)
-      ((uint32_t *)(sm + S::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
-  __syncthreads();
+/* The kernel's two roles, warp-specialized: a producer warpgroup (one thread
+ * issues the copies) and NWG consumer warpgroups. BS: the token tile of
+ * small experts; kMixed adds 64-wide tiles for the others (NWG 2 only: the
+ * 64-wide accumulators do not fit 4 consumers' registers). */
+template <int MODE, int GEMM, int BS, int NWG>
+struct Kern {
+  static constexpr bool kMixed = BS < 64 && NWG == 2;
+  static constexpr int kBNMax = kMixed ? 64 : BS;
+  using S = Smem<MODE, GEMM, kBNMax, NWG>;
+  using CM = Cfg<MODE, kBNMax>; /* stage strides */
+  using W = Warps<NWG>;
+  static constexpr int TPW = W::kTiles;
 
-  if (wg == 0) { /* ------------------------------------ producer ---- */
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == 0) {
-      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmB) : "memory");
-      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmS) : "memory");
-      int stage = 0, e = 0;
-      uint32_t phase = 0;
-      Unit un;
-      for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
-        const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
-                              (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
-        for (int kb = 0; kb < KB; kb++) {
-          mbar_wait(&empty[stage], phase ^ 1);
-          mbar_expect_tx(&full[stage], C::kA + C::kB + C::kSBox);
-          uint8_t *dA = sm + S::kOffA + stage * C::kA;
+  static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
+                                                 const CUtensorMap *tmB, const CUtensorMap *tmS,
+                                                 const CUtensorMap *tmBL, const CUtensorMap *tmSL) {
+    using C = CM;
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    const int KB = p.K / 128;
+    int stage = 0, e = 0;
+    uint32_t phase = 0;
+    Unit un;
+    for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
+         u += gridDim.x) {
+      const bool big = kMixed && un.bn == 64;
+      const CUtensorMap *mb = big ? tmBL : tmB, *ms = big ? tmSL : tmS;
+      const uint32_t slab = un.bn * 128;
+      const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * slab + 4 * (un.bn + 4);
+      const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
+                            (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
+      for (int kb = 0; kb < KB; kb++) {
+        mbar_wait(&empty[stage], phase ^ 1);
+        mbar_expect_tx(&full[stage], tx);
+        uint8_t *dA = sm + S::kOffA + stage * C::kA;
 #pragma unroll
-          for (int i = 0; i < 4; i++)
-            bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
-                     &full[stage]);
-          uint8_t *dB = sm + S::kOffB + stage * C::kB;
-          tma_2d(dB, &tmB, kb * 128, un.tok0, &full[stage]);
-          if (C::kF16) tma_2d(dB + C::kSlab, &tmB, kb * 128 + 64, un.tok0, &full[stage]);
-          tma_2d(sm + S::kOffS + stage * C::kS, &tmS, un.tok0 & ~3, kb, &full[stage]);
-          if (++stage == S::kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+        for (int i = 0; i < 4; i++)
+          bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
+                   &full[stage]);
+        uint8_t *dB = sm + S::kOffB + stage * C::kB;
+        tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
+        if (C::kF16) tma_2d(dB + slab, mb, kb * 128 + 64, un.tok0, &full[stage]);
+        tma_2d(sm + S::kOffS + stage * C::kS, ms, un.tok0 & ~3, kb, &full[stage]);
+        if (++stage == S::kStages) {
+          stage = 0;
+          phase ^= 1;
         }
       }
     }
-    return;
   }
 
-  /* ------------------------------------------------------- consumers ---- */
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int c = wg - 1;
-  const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-  const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
-  const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
-  int stage = 0, e = 0;
-  uint32_t phase = 0;
-  float fin[2][NR], acc[2][NR];
-  Unit un;
-  for (int u = blockIdx.x; next_unit<BN>(sched, p.offsets, E, u, &e, &un); u += gridDim.x) {
+  /* One work unit of consumer warpgroup c with a BN-wide token tile: the K
+   * loop over the unit's stages, then the epilogue. */
+  template <int BN>
+  static __device__ __forceinline__ void consume(const Params &p, uint8_t *sm, const Unit &un,
+                                                 int c, int &stage, uint32_t &phase) {
+    using C = Cfg<MODE, BN>;
+    constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    const int tid = threadIdx.x % 128;
+    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
+    const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
+    const int KB = p.K / 128;
+    float fin[TPW][NR], acc[TPW][NR];
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int j = 0; j < TPW; j++)
 #pragma unroll
       for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
 
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
-      const uint8_t *sA = sm + S::kOffA + stage * C::kA + (2 * c) * C::kRec;
-      const uint32_t bB = smem_u32(sm + S::kOffB + stage * C::kB);
-      const float *sS = (const float *)(sm + S::kOffS + stage * C::kS) + (un.tok0 & 3);
+      const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (TPW * c) * C::kRec;
+      /* descriptor of the stage's token tile; steps add their byte offset
+       * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
+      const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+      const float *sS = (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
       float sx[BN / 4];
 #pragma unroll
       for (int k = 0; k < BN / 4; k++) {
         const float v = sS[acc_col(k, q)];
         sx[k] = MODE == 2 ? v * 16384.0f : v;
       }
-      uint32_t wd[2][8];
-      float sw[2][2];
-      uint32_t sb1[2][2];
-      uint2 sb2[2][2];
+      uint32_t wd[TPW][8];
+      float sw[TPW][2];
+      uint32_t sb1[TPW][2];
+      uint2 sb2[TPW][2];
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
+      for (int j = 0; j < TPW; j++) {
         const uint8_t *R = sA + j * C::kRec;
         const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
         wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
@@ -384,18 +414,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int r = r0 + 8 * h;
           if (C::kG32) sb1[j][h] = *(const uint32_t *)(R + 4096 + r * 4);
           else sb2[j][h] = *(const uint2 *)(R + 4096 + r * 8);
-          sw[j][h] = MODE == 2 ? 1.0f : mm_sm90_pow2(*(const int16_t *)(R + C::kRefOff + 2 * r));
+          sw[j][h] = MODE == 2 ? 1.0f : pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
         }
       }
-      fence_acc(acc[0]);
-      fence_acc(acc[1]);
-      uint32_t a[2][2][2][4]; /* [buffer][tile][step in chunk][register] */
+#pragma unroll
+      for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+      uint32_t a[2][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
 #pragma unroll
       for (int ch = 0; ch < 4; ch++) {
         const int buf = ch & 1;
         if (ch >= 2) wg_wait<1>(); /* chunk ch-2 has retired: its registers are free */
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < TPW; j++) {
 #pragma unroll
           for (int rr = 0; rr < 2; rr++) {
             if (MODE == 2) {
@@ -440,27 +470,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         wg_fence();
         constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < TPW; j++)
 #pragma unroll
           for (int ss = 0; ss < kSteps; ss++) {
             /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
             const int s = kSteps * ch + ss;
-            const uint64_t d = desc_b(bB + (s >> 2) * C::kSlab + (s & 3) * 32);
+            const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
             mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
                               a[buf][j][ss][3], d, s > 0);
           }
         wg_commit();
       }
       wg_wait<0>();
-      fence_acc(acc[0]);
-      fence_acc(acc[1]);
+#pragma unroll
+      for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
       if (lane == 0) mbar_arrive(&empty[stage]);
       if (++stage == S::kStages) {
         stage = 0;
         phase ^= 1;
       }
 #pragma unroll
-      for (int j = 0; j < 2; j++)
+      for (int j = 0; j < TPW; j++)
 #pragma unroll
         for (int i = 0; i < NR; i++)
           fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
@@ -472,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (GEMM == 1) {
       const int I = p.rows / 2;
       constexpr int NC = BN / 4; /* columns per thread */
-      float rwv[NC], av[2][NC], amx[NC];
+      float rwv[NC], av[TPW][NC], amx[NC];
 #pragma unroll
       for (int k = 0; k < NC; k++) {
         const int col = acc_col(k, q);
@@ -480,8 +510,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         amx[k] = 0.0f;
       }
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int rowg = (un.rb * 4 + 2 * c + j) * 64 + r0;
+      for (int j = 0; j < TPW; j++) {
+        const int rowg = (un.rb * 4 + TPW * c + j) * 64 + r0;
         const float rsg = p.rs[(size_t)un.e * p.rows + rowg];
         const float rsu = p.rs[(size_t)un.e * p.rows + rowg + 8];
 #pragma unroll
@@ -507,21 +537,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (g == 0)
 #pragma unroll
         for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
-      named_sync(1, 256);
+      named_sync(1, 128 * NWG);
 #pragma unroll
       for (int k = 0; k < NC; k++) {
         const int col = acc_col(k, q);
         float m = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 8; x++) m = fmaxf(m, red[x * BN + col]);
+        for (int x = 0; x < 4 * NWG; x++) m = fmaxf(m, red[x * BN + col]);
         m = fmaxf(m, 1e-4f);
         const float inv = 448.0f / m;
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < TPW; j++) {
           /* channel within the 128-block = L2's K column, stored at its
            * mm_sm90_kperm position (mode 4; identity otherwise) */
           const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
-          const int lch = 32 * (2 * c + j) + lc;
+          const int lch = 32 * (TPW * c + j) + lc;
           const uint8_t q8 = f32_to_e4m3(av[j][k] * inv);
           if (C::kF16)
             ((uint16_t *)stg)[col * 128 + lch] =
@@ -532,24 +562,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (c == 0 && w == 0 && g == 0 && col < un.valid)
           p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
       }
-      named_sync(1, 256);
+      named_sync(1, 128 * NWG);
       constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
       const size_t esz = C::kF16 ? 2 : 1;
-      for (int idx = ct; idx < BN * kChunks; idx += 256) {
+      for (int idx = ct; idx < BN * kChunks; idx += 128 * NWG) {
         const int row = idx / kChunks, ck = idx % kChunks;
         if (row < un.valid)
           *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
               *(const uint4 *)(stg + row * 128 * esz + ck * 16);
       }
-      named_sync(1, 256);
+      named_sync(1, 128 * NWG);
     } else {
       const int H = p.rows;
       uint16_t *stg16 = (uint16_t *)stg;
 #pragma unroll
-      for (int j = 0; j < 2; j++)
+      for (int j = 0; j < TPW; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-          const int nl = 128 * c + 64 * j + r0 + 8 * h;
+          const int nl = 64 * (TPW * c + j) + r0 + 8 * h;
           const float rsv = p.rs[(size_t)un.e * p.rows + un.rb * 256 + nl];
 #pragma unroll
           for (int k = 0; k < BN / 4; k++) {
@@ -558,15 +588,82 @@ __global__ void __launch_bounds__(kThreads, 1)
             stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
           }
         }
-      named_sync(1, 256);
-      for (int idx = ct; idx < BN * 32; idx += 256) {
+      named_sync(1, 128 * NWG);
+      for (int idx = ct; idx < BN * 32; idx += 128 * NWG) {
         const int row = idx >> 5, ck = idx & 31;
         if (row < un.valid)
           *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + ck * 8) =
               *(const uint4 *)(stg16 + row * 256 + ck * 8);
       }
-      named_sync(1, 256);
+      named_sync(1, 128 * NWG);
     }
+  }
+};
+
+/* tmB / tmS: token tile and scale maps of the BS-wide tiles; tmBL / tmSL:
+ * of the 64-wide ones (mixed tiles only). */
+template <int MODE, int GEMM, int BS, int NWG>
+__global__ void __launch_bounds__(Warps<NWG>::kThreads, 1)
+    wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
+              const __grid_constant__ CUtensorMap tmS, const __grid_constant__ CUtensorMap tmBL,
+              const __grid_constant__ CUtensorMap tmSL) {
+  using K = Kern<MODE, GEMM, BS, NWG>;
+  using S = typename K::S;
+  using W = Warps<NWG>;
+  constexpr bool kMixed = K::kMixed;
+  extern __shared__ uint8_t smem_raw[];
+  /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
+  uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t *full = (uint64_t *)(sm + S::kOffBar);
+  uint64_t *empty = full + S::kStages;
+  int *sched = (int *)(sm + S::kOffSched);
+  const int wg = threadIdx.x / 128;
+  const int E = p.E, RB = p.rows / kRowsCta;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::kStages; s++) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4 * NWG); /* one lane per consumer warp */
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    int acc = 0;
+    for (int e = 0; e < E; e++) {
+      sched[e] = acc;
+      const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed>(m, p.mixed);
+      acc += (m + bn - 1) / bn * RB;
+    }
+    sched[E] = acc;
+  }
+  if (MODE != 2) /* fold table: modes 1, 3, 4 */
+    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads)
+      ((uint32_t *)(sm + S::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
+  __syncthreads();
+
+  if (wg == 0) { /* ------------------------------------ producer ---- */
+    set_max_regs_dec<W::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmB) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmS) : "memory");
+      if (kMixed) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmBL) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmSL) : "memory");
+      }
+      K::produce(p, sm, sched, &tmB, &tmS, &tmBL, &tmSL);
+    }
+    return;
+  }
+
+  /* ------------------------------------------------------- consumers ---- */
+  set_max_regs_inc<W::kConsumerRegs>();
+  const int c = wg - 1;
+  int stage = 0, e = 0;
+  uint32_t phase = 0;
+  Unit un;
+  for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, E, p.mixed, u, &e, &un); u += gridDim.x) {
+    if (kMixed && un.bn == 64)
+      K::template consume<kMixed ? 64 : BS>(p, sm, un, c, stage, phase);
+    else
+      K::template consume<BS>(p, sm, un, c, stage, phase);
   }
 }
 
@@ -657,29 +754,61 @@ int sm_count() {
   return n;
 }
 
-template <int MODE, int GEMM, int BN>
-mm_err *launch(const Params &p, const CUtensorMap &b, const CUtensorMap &s, cudaStream_t st) {
-  using S = Smem<MODE, GEMM, BN>;
+/* The maps of one GEMM's B operand: token tiles and their scales, for the
+ * BS-wide tiles and (mixed tiles) the 64-wide ones. */
+struct TileMaps {
+  CUtensorMap b, s, bl, sl;
+};
+
+template <int MODE, int GEMM, int BS, int NWG>
+mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
+  using S = typename Kern<MODE, GEMM, BS, NWG>::S;
   static std::atomic<uint64_t> done{0}; /* one bit per device */
   const int dev = current_device();
   const uint64_t bit = dev < kMaxDevices ? 1ull << dev : 0;
   if (!(done.load() & bit) || !bit) {
-    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BN>,
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, NWG>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     done.fetch_or(bit);
   }
-  wg_kernel<MODE, GEMM, BN><<<sm_count(), kThreads, S::kBytes, st>>>(p, b, s);
+  wg_kernel<MODE, GEMM, BS, NWG>
+      <<<sm_count(), Warps<NWG>::kThreads, S::kBytes, st>>>(p, m.b, m.s, m.bl, m.sl);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }
 
-template <int MODE, int BN>
+/* B maps over [rows, K] (x or the intermediate) and the transposed scales
+ * [K / 128, Mp]; box = BS rows, and 64 for the mixed kernels' large tiles. */
+mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x, int K,
+                       int rows, const float *scales_t, int Mp) {
+  const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const uint32_t box0 = f16 ? 64 : 128;
+  const uint64_t row_bytes = (f16 ? 2ull : 1ull) * (uint64_t)K;
+  MM_TRY(make_map(&m->b, dt, x, K, rows, row_bytes, box0, bs, true));
+  MM_TRY(make_map(&m->s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
+                  bs + 4, 1, false));
+  if (!mixed) {
+    m->bl = m->b;
+    m->sl = m->s;
+    return NULL;
+  }
+  MM_TRY(make_map(&m->bl, dt, x, K, rows, row_bytes, box0, 64, true));
+  MM_TRY(make_map(&m->sl, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp, 68, 1,
+                  false));
+  return NULL;
+}
+
+/* Tuning override: MEGAMOE_SM90_MIXED_TILES=0 keeps every tile BS wide. */
+bool mixed_tiles_enabled() {
+  const char *v = getenv("MEGAMOE_SM90_MIXED_TILES");
+  return !(v && v[0] == '0');
+}
+
+template <int MODE, int BS, int NWG>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, cudaStream_t st) {
-  const bool f16 = Cfg<MODE, BN>::kF16;
+  const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, NWG>::kMixed;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
-  const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  const uint32_t box0 = f16 ? 64 : 128, sbox = BN + 4;
   /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
   MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
                "sm90 expert compute: pool x and out must be 16-byte aligned");
@@ -689,14 +818,10 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
    * whatever the caller left there; they only feed token columns that are
    * never stored. */
   uint16_t *x16 = f16 ? pool->out : NULL;
-  CUtensorMap b1, s1, b2, s2;
-  if (f16) MM_TRY(make_map(&b1, dt, x16, H, M, 2ull * H, box0, BN, true));
-  else MM_TRY(make_map(&b1, dt, pool->x, H, M, H, box0, BN, true));
-  MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp, sbox, 1,
-                  false));
-  MM_TRY(make_map(&b2, dt, ws->act, I, Mp, (f16 ? 2ull : 1ull) * I, box0, BN, true));
-  MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp, sbox, 1,
-                  false));
+  TileMaps m1, m2;
+  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, f16 ? (const void *)x16 : (const void *)pool->x, H,
+                        M, ws->xs_t, Mp));
+  MM_TRY(make_tile_maps(&m2, f16, mixed, BS, ws->act, I, Mp, ws->as_t, Mp));
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
       pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
@@ -715,18 +840,19 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.act = ws->act;
   p.as_t = ws->as_t;
   p.out = pool->out;
+  p.mixed = mixed && mixed_tiles_enabled();
   /* L1 */
   p.mat_off = 0;
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1, BN>(p, b1, s1, st)));
+  MM_TRY((launch<MODE, 1, BS, NWG>(p, m1, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2, BN>(p, b2, s2, st)));
+  MM_TRY((launch<MODE, 2, BS, NWG>(p, m2, st)));
   return NULL;
 }
 
@@ -750,11 +876,21 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * device): small tiles in the decode regime waste no MMA and promotion
    * work; skewed experts just get more tiles. */
   const int avg = (pool->num_rows_max + L->E - 1) / L->E;
-  const int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
-#define MM_RUN_BN(m)                                                     \
-  return bn == 16 ? run_mode<m, 16>(L, pool, clamp, ws, stream)          \
-         : bn == 32 ? run_mode<m, 32>(L, pool, clamp, ws, stream)        \
-                    : run_mode<m, 64>(L, pool, clamp, ws, stream)
+  int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+  int nwg = 2;
+  /* tuning overrides (experiments) */
+  const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
+  if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64)) bn = atoi(v);
+  v = getenv("MEGAMOE_SM90_CONSUMER_WGS");
+  if (v && (atoi(v) == 2 || atoi(v) == 4)) nwg = atoi(v);
+  /* 4 consumer warpgroups: small tiles only (64-wide ones spill there) */
+#define MM_RUN_NWG(m, b)                                       \
+  (nwg == 4 ? run_mode<m, b, 4>(L, pool, clamp, ws, stream) \
+            : run_mode<m, b, 2>(L, pool, clamp, ws, stream))
+#define MM_RUN_BN(m)                           \
+  return bn == 16 ? MM_RUN_NWG(m, 16)          \
+         : bn == 32 ? MM_RUN_NWG(m, 32)        \
+                    : run_mode<m, 64, 2>(L, pool, clamp, ws, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
@@ -762,4 +898,5 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
     default: MM_RUN_BN(3);
   }
 #undef MM_RUN_BN
+#undef MM_RUN_NWG
 }
