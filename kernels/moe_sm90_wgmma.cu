@@ -385,6 +385,26 @@ struct Kern {
     for (int j = 0; j < TPW; j++)
 #pragma unroll
       for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
+    /* The epilogue's factors from global memory: row factors of the lane's
+     * rows (GEMM 1: gate r0, up r0 + 8; GEMM 2: rows r0, r0 + 8) and
+     * (GEMM 1) the top-k weights of its token columns. Small tiles load
+     * them now, so that their latency hides behind the K loop; beside the
+     * 64-wide tile's accumulators they would spill. */
+    constexpr bool kEarly = BN <= 32;
+    float rsf[TPW][2], rwv[BN / 4];
+    auto load_factors = [&]() {
+#pragma unroll
+      for (int j = 0; j < TPW; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+          rsf[j][h] = p.rs[(size_t)un.e * p.rows + (un.rb * 4 + TPW * c + j) * 64 + r0 + 8 * h];
+#pragma unroll
+      for (int k = 0; k < BN / 4; k++) {
+        const int col = acc_col(k, q);
+        rwv[k] = GEMM == 1 && col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
+      }
+    };
+    if (kEarly) load_factors();
 
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
@@ -497,23 +517,18 @@ struct Kern {
     }
 
     /* ------------------------------------------------------ epilogue ---- */
+    if (!kEarly) load_factors();
     uint8_t *stg = sm + S::kOffStg;
     const int ct = c * 128 + tid;
     if (GEMM == 1) {
       const int I = p.rows / 2;
       constexpr int NC = BN / 4; /* columns per thread */
-      float rwv[NC], av[TPW][NC], amx[NC];
+      float av[TPW][NC], amx[NC];
 #pragma unroll
-      for (int k = 0; k < NC; k++) {
-        const int col = acc_col(k, q);
-        rwv[k] = col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
-        amx[k] = 0.0f;
-      }
+      for (int k = 0; k < NC; k++) amx[k] = 0.0f;
 #pragma unroll
       for (int j = 0; j < TPW; j++) {
-        const int rowg = (un.rb * 4 + TPW * c + j) * 64 + r0;
-        const float rsg = p.rs[(size_t)un.e * p.rows + rowg];
-        const float rsu = p.rs[(size_t)un.e * p.rows + rowg + 8];
+        const float rsg = rsf[j][0], rsu = rsf[j][1];
 #pragma unroll
         for (int k = 0; k < NC; k++) {
           const int i = 4 * (k >> 1) + (k & 1);
@@ -580,7 +595,7 @@ struct Kern {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
           const int nl = 64 * (TPW * c + j) + r0 + 8 * h;
-          const float rsv = p.rs[(size_t)un.e * p.rows + un.rb * 256 + nl];
+          const float rsv = rsf[j][h];
 #pragma unroll
           for (int k = 0; k < BN / 4; k++) {
             const int i = 4 * (k >> 1) + 2 * h + (k & 1);
