@@ -50,6 +50,9 @@ typedef struct mm_expert_pool {
   const float *x_scale;          /* FP32 [M, H/128] */
   const float *row_weight;       /* FP32 [M] top-k weight of each row */
   uint16_t *out;                 /* BF16 [M, H], weighted by row_weight */
+  int rows_hint;                 /* rows expected in the pool (<= M), when the
+                                    caller knows more than the capacity: picks
+                                    launch shapes only; 0 = use M */
 } mm_expert_pool;
 /* Aliasing: `out` is scratch during a compute call. The F16-MMA modes (2, 4)
  * stage their F16 copy of the pool rows [offsets[0], offsets[E_loc]) there

@@ -6,13 +6,24 @@
  *
  * Swap-AB: weights are the WGMMA A operand (64 rows per m64 tile, decoded from
  * packed FP4 straight into A-fragment registers, "RS" form), tokens are N
- * (64 per tile, TMA-loaded with 128B swizzle). A CTA = 1 producer warpgroup
- * (TMA bulk copies of the weight records, tensor copies of the token tile and
- * its scales, S-stage mbarrier ring) + 2 consumer warpgroups, each owning two
- * m64 tiles: 256 weight rows x 64 tokens per work unit. Work units
- * (expert, 256-row block, 64-token tile) are walked round-robin by a grid of
- * one CTA per SM, token tile fastest so that neighbouring CTAs share weights
- * in L2 and a skewed expert spreads over every SM.
+ * (TMA-loaded with 128B swizzle). A CTA = 1 producer warpgroup (TMA bulk
+ * copies of the weight records, tensor copies of the token tile and its
+ * scales, S-stage mbarrier ring) + 2 consumer warpgroups, each owning two
+ * m64 tiles: 256 weight rows x one token tile per work unit. Work units
+ * (expert, 256-row block, token tile) are walked round-robin by a persistent
+ * grid, token tile fastest so that neighbouring CTAs share weights in L2 and
+ * a skewed expert spreads over every SM.
+ *
+ * Token tiles (mm_sm90_run_wgmma picks them from the average rows per
+ * expert): 16, 32 or 64 tokens; with 16 or 32, an expert holding more rows
+ * than that gets 64-wide tiles ("mixed tiles"), so its weights are decoded
+ * once per 64 of its tokens. In the decode regime of the FP8 modes the grid
+ * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
+ * decode's latency; the 64-wide accumulators do not fit their registers).
+ * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
+ * the per-block overhead doubles), decoding the next block ahead of the
+ * last MMAs (slower), promoting one block while the next one's MMAs run
+ * (ptxas serializes the WGMMAs, C7514).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -40,7 +51,10 @@ namespace {
 
 constexpr int kRowsCta = 256;  /* weight rows per work unit: 4 m64 tiles */
 constexpr int kMaxExperts = 256;
-constexpr int kSmemLimit = 232448;
+/* Shared memory per CTA: the per-block maximum with one CTA per SM; with
+ * two, half of the SM's 228 KiB less the 1 KiB each block reserves. */
+constexpr int kSmemLimit1 = 232448;
+constexpr int kSmemLimit2 = 233472 / 2 - 1024;
 
 template <int MODE, int BN>
 struct Cfg {
@@ -60,9 +74,11 @@ struct Cfg {
   static constexpr int kStage = kA + kB + kS;
 };
 
-/* NWG consumer warpgroups (2 or 4) share a work unit's 4 m64 tiles. */
-template <int MODE, int GEMM, int BN, int NWG>
+/* NWG consumer warpgroups (2 or 4) share a work unit's 4 m64 tiles; CPS
+ * CTAs (1 or 2) share an SM. */
+template <int MODE, int GEMM, int BN, int NWG, int CPS>
 struct Smem {
+  static constexpr int kSmemLimit = CPS == 1 ? kSmemLimit1 : kSmemLimit2;
   using C = Cfg<MODE, BN>;
   static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
@@ -287,17 +303,18 @@ __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, 
  * (65536 / threads, rounded down to 8) times the threads is the CTA's pool;
  * the producer gives back down to 40 and the consumers take the rest
  * (2 consumers: 168 -> 40 / 232; 4 consumers: 96 -> 40 / 104). */
-template <int NWG>
+template <int NWG, int CPS>
 struct Warps {
   static constexpr int kThreads = 128 * (NWG + 1);
   static constexpr int kTiles = 4 / NWG; /* m64 tiles per consumer warpgroup */
-  static constexpr int kEntry = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegs = 40;
+  static constexpr int kEntry = 65536 / CPS / kThreads / 8 * 8;
+  static constexpr int kProducerRegs = CPS == 1 ? 40 : 24;
   static constexpr int kConsumerRegs =
       ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8 > 232
           ? 232
           : ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8;
   static_assert(NWG == 2 || NWG == 4, "2 or 4 consumer warpgroups");
+  static_assert(CPS == 1 || CPS == 2, "1 or 2 CTAs per SM");
   static_assert(128 * kProducerRegs + 128 * NWG * kConsumerRegs <= kEntry * kThreads,
                 "register pool over-committed (setmaxnreg.inc would hang)");
 };
@@ -321,13 +338,13 @@ __device__ __forceinline__ float pow2_exact(int e) {
  * issues the copies) and NWG consumer warpgroups. BS: the token tile of
  * small experts; kMixed adds 64-wide tiles for the others (NWG 2 only: the
  * 64-wide accumulators do not fit 4 consumers' registers). */
-template <int MODE, int GEMM, int BS, int NWG>
+template <int MODE, int GEMM, int BS, int NWG, int CPS>
 struct Kern {
-  static constexpr bool kMixed = BS < 64 && NWG == 2;
+  static constexpr bool kMixed = BS < 64 && NWG == 2 && CPS == 1;
   static constexpr int kBNMax = kMixed ? 64 : BS;
-  using S = Smem<MODE, GEMM, kBNMax, NWG>;
+  using S = Smem<MODE, GEMM, kBNMax, NWG, CPS>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
-  using W = Warps<NWG>;
+  using W = Warps<NWG, CPS>;
   static constexpr int TPW = W::kTiles;
 
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
@@ -617,14 +634,14 @@ struct Kern {
 
 /* tmB / tmS: token tile and scale maps of the BS-wide tiles; tmBL / tmSL:
  * of the 64-wide ones (mixed tiles only). */
-template <int MODE, int GEMM, int BS, int NWG>
-__global__ void __launch_bounds__(Warps<NWG>::kThreads, 1)
+template <int MODE, int GEMM, int BS, int NWG, int CPS>
+__global__ void __launch_bounds__(Warps<NWG, CPS>::kThreads, CPS)
     wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
               const __grid_constant__ CUtensorMap tmS, const __grid_constant__ CUtensorMap tmBL,
               const __grid_constant__ CUtensorMap tmSL) {
-  using K = Kern<MODE, GEMM, BS, NWG>;
+  using K = Kern<MODE, GEMM, BS, NWG, CPS>;
   using S = typename K::S;
-  using W = Warps<NWG>;
+  using W = Warps<NWG, CPS>;
   constexpr bool kMixed = K::kMixed;
   extern __shared__ uint8_t smem_raw[];
   /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
@@ -775,19 +792,19 @@ struct TileMaps {
   CUtensorMap b, s, bl, sl;
 };
 
-template <int MODE, int GEMM, int BS, int NWG>
+template <int MODE, int GEMM, int BS, int NWG, int CPS>
 mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
-  using S = typename Kern<MODE, GEMM, BS, NWG>::S;
+  using S = typename Kern<MODE, GEMM, BS, NWG, CPS>::S;
   static std::atomic<uint64_t> done{0}; /* one bit per device */
   const int dev = current_device();
   const uint64_t bit = dev < kMaxDevices ? 1ull << dev : 0;
   if (!(done.load() & bit) || !bit) {
-    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, NWG>,
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, NWG, CPS>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     done.fetch_or(bit);
   }
-  wg_kernel<MODE, GEMM, BS, NWG>
-      <<<sm_count(), Warps<NWG>::kThreads, S::kBytes, st>>>(p, m.b, m.s, m.bl, m.sl);
+  wg_kernel<MODE, GEMM, BS, NWG, CPS>
+      <<<CPS * sm_count(), Warps<NWG, CPS>::kThreads, S::kBytes, st>>>(p, m.b, m.s, m.bl, m.sl);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }
@@ -819,10 +836,10 @@ bool mixed_tiles_enabled() {
   return !(v && v[0] == '0');
 }
 
-template <int MODE, int BS, int NWG>
+template <int MODE, int BS, int NWG, int CPS>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, cudaStream_t st) {
-  const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, NWG>::kMixed;
+  const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, NWG, CPS>::kMixed;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
   MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
@@ -861,13 +878,13 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1, BS, NWG>(p, m1, st)));
+  MM_TRY((launch<MODE, 1, BS, NWG, CPS>(p, m1, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2, BS, NWG>(p, m2, st)));
+  MM_TRY((launch<MODE, 2, BS, NWG, CPS>(p, m2, st)));
   return NULL;
 }
 
@@ -888,24 +905,28 @@ const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
 mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                           const mm_sm90_ws *ws, cudaStream_t stream) {
   /* Token tile from the average rows per expert (the counts live on the
-   * device): small tiles in the decode regime waste no MMA and promotion
-   * work; skewed experts just get more tiles. */
-  const int avg = (pool->num_rows_max + L->E - 1) / L->E;
+   * device; the caller's rows hint, else the capacity): small tiles in the decode regime waste no MMA and promotion
+   * work; experts with more rows than the tile get 64-wide tiles (mixed
+   * tiles). At <= 8 rows per expert the FP8 modes run two CTAs per SM
+   * instead, 16-wide tiles only: twice the warps to hide the decode's
+   * latency, measured 7-12% faster on even loads but 15% slower when one
+   * expert takes half the rows (docs/PERF.md). */
+  const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
+  const int avg = (rows + L->E - 1) / L->E;
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
-  int nwg = 2;
-  /* tuning overrides (experiments) */
+  const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
+  int cps = fp8 && avg <= 8 ? 2 : 1;
+  /* overrides for tests and tuning (docs/PERF.md) */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
   if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64)) bn = atoi(v);
-  v = getenv("MEGAMOE_SM90_CONSUMER_WGS");
-  if (v && (atoi(v) == 2 || atoi(v) == 4)) nwg = atoi(v);
-  /* 4 consumer warpgroups: small tiles only (64-wide ones spill there) */
-#define MM_RUN_NWG(m, b)                                       \
-  (nwg == 4 ? run_mode<m, b, 4>(L, pool, clamp, ws, stream) \
-            : run_mode<m, b, 2>(L, pool, clamp, ws, stream))
-#define MM_RUN_BN(m)                           \
-  return bn == 16 ? MM_RUN_NWG(m, 16)          \
-         : bn == 32 ? MM_RUN_NWG(m, 32)        \
-                    : run_mode<m, 64, 2>(L, pool, clamp, ws, stream)
+  v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
+  if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
+  if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
+#define MM_RUN_BN(m)                                                                   \
+  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2, 2>(L, pool, clamp, ws, stream)      \
+                              : run_mode<m, 16, 2, 1>(L, pool, clamp, ws, stream))     \
+         : bn == 32 ? run_mode<m, 32, 2, 1>(L, pool, clamp, ws, stream)                \
+                    : run_mode<m, 64, 2, 1>(L, pool, clamp, ws, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
@@ -913,5 +934,4 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
     default: MM_RUN_BN(3);
   }
 #undef MM_RUN_BN
-#undef MM_RUN_NWG
 }

@@ -41,20 +41,38 @@ glm_host=("$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plug
   --set model.moe-intermediate-size=2048 --set model.num-experts=256 --set model.top-k=8)
 
 nvidia-smi -L 2>&1 | tee "$out/gpus.txt" || true
+# run_test NAME LOG BINARY [ENV...]: one test program, one summary row.
+run_test() {
+  local name=$1 log=$2 bin=$3 start rc secs okc bad skip
+  shift 3
+  start=$(date +%s)
+  env "$@" timeout "${GPU_SUITE_TEST_TIMEOUT:-300}" "$bin" >"$log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - start))
+  okc=$(grep -c '^ok ' "$log")
+  bad=$(grep -c '^not ok' "$log")
+  skip=$(grep -c '# SKIP' "$log")
+  row "$name" "rc=$rc ok=$okc not_ok=$bad skip=$skip ${secs}s"
+  [ "$bad" -gt 0 ] || [ $rc -ne 0 ] && grep -E '^(not ok|#)' "$log" | head -20
+}
 if [[ " $steps " == *" tests "* ]]; then
   for t in "$pack"/tests/${GPU_SUITE_TESTS:-gpu_test_*}; do
     [ -x "$t" ] || continue
-    name=$(basename "$t")
-    start=$(date +%s)
-    timeout "${GPU_SUITE_TEST_TIMEOUT:-300}" "$t" >"$out/$name.log" 2>&1
-    rc=$?
-    secs=$(($(date +%s) - start))
-    okc=$(grep -c '^ok ' "$out/$name.log")
-    bad=$(grep -c '^not ok' "$out/$name.log")
-    skip=$(grep -c '# SKIP' "$out/$name.log")
-    row "$name" "rc=$rc ok=$okc not_ok=$bad skip=$skip ${secs}s"
-    [ "$bad" -gt 0 ] || [ $rc -ne 0 ] && grep -E '^(not ok|#)' "$out/$name.log" | head -20
+    run_test "$(basename "$t")" "$out/$(basename "$t").log" "$t"
   done
+  # The compute kernels' launch shapes that the test's own sizes do not
+  # choose, forced (quick set): every token tile, mixed tiles off, one and
+  # two CTAs per SM.
+  t=$pack/tests/gpu_test_moe_compute
+  if [ -x "$t" ] && [[ "${GPU_SUITE_TESTS:-gpu_test_*}" == *compute* || -z "${GPU_SUITE_TESTS:-}" ]]; then
+    for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 "TOKEN_TILE=16 MIXED_TILES=0" \
+      "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1"; do
+      envs=()
+      for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
+      run_test "gpu_test_moe_compute ${v// /,}" "$out/gpu_test_moe_compute.${v// /_}.log" "$t" \
+        MEGAMOE_TEST_QUICK=1 "${envs[@]}"
+    done
+  fi
 fi
 if [[ " $steps " == *" sanitizer "* ]]; then
   # The quick compute set and the engine-only EP tests: NCCL's own kernels
