@@ -347,21 +347,52 @@ struct Kern {
   using W = Warps<NWG, CPS>;
   static constexpr int TPW = W::kTiles;
 
+  /* Token-side copies of one stage: the token tile and its scales. */
+  static __device__ __forceinline__ void load_tokens(uint8_t *sm, const Unit &un, int kb,
+                                                     int stage, const CUtensorMap *tmB,
+                                                     const CUtensorMap *tmS,
+                                                     const CUtensorMap *tmBL,
+                                                     const CUtensorMap *tmSL) {
+    using C = CM;
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar);
+    const bool big = kMixed && un.bn == 64;
+    const CUtensorMap *mb = big ? tmBL : tmB, *ms = big ? tmSL : tmS;
+    uint8_t *dB = sm + S::kOffB + stage * C::kB;
+    tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
+    if (C::kF16) tma_2d(dB + un.bn * 128, mb, kb * 128 + 64, un.tok0, &full[stage]);
+    tma_2d(sm + S::kOffS + stage * C::kS, ms, un.tok0 & ~3, kb, &full[stage]);
+  }
+
+  /* The kernel is launched as a programmatic dependent of the previous one
+   * on the stream (the prep kernel before L1, L1 before L2): it may start
+   * while that one finishes. Only the token side comes from it, so the
+   * first pass over the ring copies weights at once and the token tiles
+   * after griddepcontrol.wait (which makes the previous kernel's writes
+   * visible); the consumers only read what these copies bring. */
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
                                                  const CUtensorMap *tmB, const CUtensorMap *tmS,
                                                  const CUtensorMap *tmBL, const CUtensorMap *tmSL) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int KB = p.K / 128;
-    int stage = 0, e = 0;
+    int stage = 0, e = 0, early = 0; /* early: first-pass stages without their tokens */
     uint32_t phase = 0;
     Unit un;
+    /* token copies of the first `early` stages, walked again from the start */
+    auto catch_up = [&]() {
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      int e2 = 0, n = 0;
+      Unit u2;
+      for (int u = blockIdx.x;
+           n < early && next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
+           u += gridDim.x)
+        for (int kb = 0; kb < KB && n < early; kb++, n++)
+          load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL);
+      early = -1;
+    };
     for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
          u += gridDim.x) {
-      const bool big = kMixed && un.bn == 64;
-      const CUtensorMap *mb = big ? tmBL : tmB, *ms = big ? tmSL : tmS;
-      const uint32_t slab = un.bn * 128;
-      const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * slab + 4 * (un.bn + 4);
+      const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
                             (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
       for (int kb = 0; kb < KB; kb++) {
@@ -372,16 +403,15 @@ struct Kern {
         for (int i = 0; i < 4; i++)
           bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
                    &full[stage]);
-        uint8_t *dB = sm + S::kOffB + stage * C::kB;
-        tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
-        if (C::kF16) tma_2d(dB + slab, mb, kb * 128 + 64, un.tok0, &full[stage]);
-        tma_2d(sm + S::kOffS + stage * C::kS, ms, un.tok0 & ~3, kb, &full[stage]);
+        if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL);
+        else if (++early == S::kStages) catch_up(); /* before any stage is reused */
         if (++stage == S::kStages) {
           stage = 0;
           phase ^= 1;
         }
       }
     }
+    if (early >= 0) catch_up();
   }
 
   /* One work unit of consumer warpgroup c with a BN-wide token tile: the K
@@ -651,6 +681,9 @@ __global__ void __launch_bounds__(Warps<NWG, CPS>::kThreads, CPS)
   int *sched = (int *)(sm + S::kOffSched);
   const int wg = threadIdx.x / 128;
   const int E = p.E, RB = p.rows / kRowsCta;
+  /* the next kernel (L2 after L1) may launch now: its CTAs take SMs as ours
+   * leave and wait for our results in griddepcontrol.wait */
+  if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; s++) {
@@ -705,6 +738,7 @@ __global__ void __launch_bounds__(Warps<NWG, CPS>::kThreads, CPS)
 template <int F16> /* 0: scales only (FP8 modes), 2: F16 copy, 4: F16 copy permuted */
 __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
                             int Mp, float *xs_t, uint16_t *x16) {
+  if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;"); /* L1 may launch */
   const int r0 = off[0], r1 = off[E], KB = H / 128;
   const long stride = (long)gridDim.x * blockDim.x;
   const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -803,9 +837,19 @@ mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     done.fetch_or(bit);
   }
-  wg_kernel<MODE, GEMM, BS, NWG, CPS>
-      <<<CPS * sm_count(), Warps<NWG, CPS>::kThreads, S::kBytes, st>>>(p, m.b, m.s, m.bl, m.sl);
-  MM_CUDA_TRY(cudaGetLastError());
+  /* a programmatic dependent of the previous kernel (see Kern::produce) */
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDim = dim3(CPS * sm_count());
+  cfg.blockDim = dim3(Warps<NWG, CPS>::kThreads);
+  cfg.dynamicSmemBytes = S::kBytes;
+  cfg.stream = st;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, NWG, CPS>, p, m.b, m.s, m.bl, m.sl));
   return NULL;
 }
 

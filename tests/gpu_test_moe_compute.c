@@ -321,7 +321,13 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * QGMMA bound holds there for exact-sum cases too (measured 1.016e-3
        * on one with 32-wide tiles forced). */
       const double l2_tol = qg ? 5e-3 : 1e-3;
-      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3 : 5e-2;
+      /* End to end, loosely. Mode 1 on the extreme-exponent data: its
+       * legitimate near-tie flips in L1 (checked code by code below) land on
+       * channels that the 2^60-scaled down projection amplifies; seed
+       * 1796017857 gives 9.0e-2 from 4 flips, identically before and after
+       * the launch changes of the third stop. A broken decode of those
+       * groups (zeroed, sign-flipped, wrapped) is O(1) here. */
+      const double tol = mode == MM_WMODE_G16_FP8 ? tol_m3 : qg && s->extreme ? 0.25 : 5e-2;
       int nan_rows;
       double rel = rel_frob(got + (size_t)lead * H, ref + (size_t)lead * H, Mused - lead, H,
                             &nan_rows);
