@@ -260,7 +260,7 @@ int main(int argc, char **argv) {
       float *t = malloc(sizeof(float) * (size_t)iters);
       for (int i = 0; i < iters + 3; i++) {
         input_set *s = &sets[i % nsets];
-        mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out};
+        mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0};
         CK(cudaEventRecord(e0, st));
         CKM(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
         CK(cudaEventRecord(e1, st));

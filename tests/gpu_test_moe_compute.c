@@ -276,7 +276,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     CUDA_OK(cudaMemcpy(d_x, xq, (size_t)M * H, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_xs, xs, sizeof(float) * (size_t)M * KB, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
-    mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out};
+    mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out, 0};
     /* mode 3: the weight fold error (E4M3 rounding) passes through both
      * GEMMs and the requant: bound 4x the measured weight error. */
     const double tol_m3 = 4.0 * mm_sm90_layer_fold_error(L);
@@ -447,7 +447,7 @@ static void test_bad_args(void) {
   mm_qmat_free(&e16.w2);
   CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
   if (L) {
-    mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL};
+    mm_expert_pool pool = {8, NULL, NULL, NULL, NULL, NULL, 0};
     CHECK_ERR(mm_sm90_expert_compute(L, &pool, 0.0f, NULL, 0, NULL), MEGAMOE_CODE_INVALID_ARGUMENT);
     mm_sm90_layer_destroy(L);
   }
