@@ -326,9 +326,10 @@ template <int N>
 __device__ __forceinline__ void set_max_regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
 }
-/* 2^e as FP32, exact for e in [-149, 127] and 0 below (as mm_sm90_pow2),
- * without branches: the product of two normal powers of two rounds only
- * below the smallest subnormal (2^-150 is a tie to 0). */
+/* 2^e as FP32 without branches, equal to mm_sm90_pow2 for e in [-254, 255]
+ * (the packers' reference exponents stay within about +-160): exact for
+ * [-149, 127], 0 below (2^-150 is a tie to 0), +inf above; the product of
+ * two normal powers of two rounds only outside FP32's range. */
 __device__ __forceinline__ float pow2_exact(int e) {
   const int h = e >> 1;
   return __fmul_rn(__int_as_float((h + 127) << 23), __int_as_float((e - h + 127) << 23));

@@ -149,10 +149,12 @@ MM_SM90_HD int mm_sm90_src_row(int r, int rows, int gate_up) {
 /* Inverse for w13: layout row of channel c's gate (up = +8). */
 MM_SM90_HD int mm_sm90_gate_row(int c) { return 64 * (c >> 5) + 16 * ((c >> 3) & 3) + (c & 7); }
 
-/* 2^e as FP32 for e in [-149, 127] (exact, subnormals included). */
+/* 2^e as FP32 for e in [-149, 127] (exact, subnormals included); 0 below,
+ * +inf above (as the WGMMA kernels' branchless form). */
 MM_SM90_HD float mm_sm90_pow2(int e) {
   union { uint32_t u; float f; } v;
-  if (e >= -126) v.u = (uint32_t)(e + 127) << 23;
+  if (e > 127) v.u = 0x7F800000u;
+  else if (e >= -126) v.u = (uint32_t)(e + 127) << 23;
   else if (e >= -149) v.u = 1u << (e + 149);
   else v.u = 0;
   return v.f;

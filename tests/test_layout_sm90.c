@@ -298,6 +298,20 @@ static void test_weight_mode_selection(void) {
   mm_qmat_free(&m);
 }
 
+/* The reference exponent's 2^ref at the edges of FP32: the CPU reference, the
+ * CUDA-core kernel and the WGMMA kernels (pow2_exact) agree on these. */
+static void test_pow2_edges(void) {
+  CHECK(mm_sm90_pow2(0) == 1.0f);
+  CHECK(mm_sm90_pow2(-126) == ldexpf(1.0f, -126));
+  CHECK(mm_sm90_pow2(-127) == ldexpf(1.0f, -127)); /* subnormal */
+  CHECK(mm_sm90_pow2(-149) == ldexpf(1.0f, -149));
+  CHECK(mm_sm90_pow2(-150) == 0.0f);
+  CHECK(mm_sm90_pow2(-400) == 0.0f);
+  CHECK(mm_sm90_pow2(127) == ldexpf(1.0f, 127));
+  CHECK(isinf(mm_sm90_pow2(128)) && mm_sm90_pow2(128) > 0.0f);
+  CHECK(isinf(mm_sm90_pow2(300)) && mm_sm90_pow2(300) > 0.0f);
+}
+
 static void test_gate_up_order(void) {
   const int I = 96 * 2, rows = 2 * I;
   for (int c = 0; c < I; c++) {
@@ -308,6 +322,7 @@ static void test_gate_up_order(void) {
 
 int main(void) {
   mm_test_seed();
+  RUN(test_pow2_edges);
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
   RUN(test_mode4_kperm);
