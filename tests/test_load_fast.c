@@ -211,44 +211,27 @@ static void test_requant_sparse(void) {
 
 #include "tensor_list.h"
 
-typedef enum { F_NVFP4, F_MX_U8, F_MX_I32, F_MX_F32, F_UE8M0_G16, F_G16_I32, F_G16_F32 } fmt;
+#include "layer_builder.h"
 
+typedef lb_fmt fmt;
+
+static uint8_t lf_scale_byte(lb_fmt f) {
+  return f == LB_NVFP4 ? (uint8_t)(0x28 + mm_test_rand_u64() % 0x30)
+                       : (uint8_t)(112 + mm_test_rand_u64() % 24);
+}
+static float lf_global_scale(const layer_t *L, int e, int p) {
+  (void)L, (void)e, (void)p;
+  return mm_test_uniform(1e-4f, 1e-2f);
+}
+static float lf_input_scale(int e, int p) {
+  (void)p;
+  return 0.25f * (float)(e + 1);
+}
 
 static void make_layer(layer_t *L, fmt f) {
-  static const char *pn[3] = {"gate_proj", "up_proj", "down_proj"};
-  L->n = 0;
-  for (int e = 0; e < NEXP; e++)
-    for (int p = 0; p < 3; p++) {
-      int N = p == 2 ? H : I, K = p == 2 ? I : H;
-      char nm[64];
-      snprintf(nm, sizeof nm, "model.layers.1.mlp.experts.%d.%s.weight", e, pn[p]);
-      uint8_t *w = (uint8_t *)add(L, nm, MM_DT_U8, 2, N, K / 2, (size_t)N * K / 2)->data;
-      for (int i = 0; i < N * K / 2; i++) w[i] = (uint8_t)mm_test_rand_u64();
-      snprintf(nm, sizeof nm, "model.layers.1.mlp.experts.%d.%s.weight_scale", e, pn[p]);
-      int g = f == F_NVFP4 || f == F_UE8M0_G16 || f == F_G16_I32 || f == F_G16_F32 ? 16 : 32;
-      int ng = K / g;
-      uint8_t bytes[H * H / 16];
-      for (int i = 0; i < N * ng; i++)
-        bytes[i] = f == F_NVFP4 ? (uint8_t)(0x28 + mm_test_rand_u64() % 0x30)
-                                : (uint8_t)(112 + mm_test_rand_u64() % 24);
-      if (f == F_NVFP4 || f == F_MX_U8 || f == F_UE8M0_G16) {
-        mm_dtype dt = f == F_NVFP4 ? MM_DT_F8_E4M3 : MM_DT_U8;
-        memcpy((void *)add(L, nm, dt, 2, N, ng, (size_t)N * ng)->data, bytes, (size_t)N * ng);
-      } else if (f == F_MX_I32 || f == F_G16_I32) {
-        int words = (ng + 3) / 4;
-        uint8_t *d = (uint8_t *)add(L, nm, MM_DT_I32, 2, N, words, (size_t)N * words * 4)->data;
-        for (int r = 0; r < N; r++) memcpy(d + (size_t)r * words * 4, bytes + r * ng, (size_t)ng);
-      } else {
-        float *d = (float *)add(L, nm, MM_DT_F32, 2, N, ng, (size_t)N * ng * 4)->data;
-        for (int i = 0; i < N * ng; i++) d[i] = ldexpf(1.0f, bytes[i] - 127);
-      }
-      if (f == F_NVFP4) {
-        snprintf(nm, sizeof nm, "model.layers.1.mlp.experts.%d.%s.weight_scale_2", e, pn[p]);
-        *(float *)add(L, nm, MM_DT_F32, 0, 0, 0, 4)->data = mm_test_uniform(1e-4f, 1e-2f);
-        snprintf(nm, sizeof nm, "model.layers.1.mlp.experts.%d.%s.input_scale", e, pn[p]);
-        *(float *)add(L, nm, MM_DT_F32, 1, 1, 0, 4)->data = 0.25f * (float)(e + 1);
-      }
-    }
+  const lb_opts o = {"model.layers.1.", NEXP, H, I, lf_scale_byte, lf_global_scale,
+                     lf_input_scale};
+  lb_make_layer(L, f, &o);
 }
 
 
@@ -311,11 +294,11 @@ static void threads_agree(layer_t *L, int requant, int gran_k) {
 }
 
 static void test_loader_threads(void) {
-  static const fmt fs[] = {F_NVFP4, F_MX_U8, F_MX_I32, F_MX_F32, F_UE8M0_G16, F_G16_I32, F_G16_F32};
+  static const fmt fs[] = {LB_NVFP4, LB_MX_U8, LB_MX_I32, LB_MX_F32, LB_UE8M0_G16, LB_G16_I32, LB_G16_F32};
   for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) {
     layer_t L;
     make_layer(&L, fs[i]);
-    int g16 = fs[i] == F_NVFP4 || fs[i] == F_UE8M0_G16 || fs[i] == F_G16_I32 || fs[i] == F_G16_F32;
+    int g16 = lb_group(fs[i]) == 16;
     threads_agree(&L, 0, 0);
     if (g16) threads_agree(&L, 1, 32);
     free_layer(&L);
@@ -325,7 +308,7 @@ static void test_loader_threads(void) {
 /* Requant from converted scales (I32, F32): each tensor decoded, then
  * requantized on its own, gives the same bytes. */
 static void test_loader_requant_converted(void) {
-  static const fmt fs[] = {F_G16_I32, F_G16_F32, F_NVFP4};
+  static const fmt fs[] = {LB_G16_I32, LB_G16_F32, LB_NVFP4};
   static const char *pn[3] = {"gate_proj", "up_proj", "down_proj"};
   for (int k = 0; k < 3; k++) {
     layer_t L;
@@ -342,7 +325,7 @@ static void test_loader_requant_converted(void) {
         mm_tensor_view *w = V(&L, nm);
         snprintf(nm, sizeof nm, "%d.%s.weight_scale", e, pn[p]);
         mm_tensor_view *s = V(&L, nm), *g = NULL;
-        if (fs[k] == F_NVFP4) {
+        if (fs[k] == LB_NVFP4) {
           snprintf(nm, sizeof nm, "%d.%s.weight_scale_2", e, pn[p]);
           g = V(&L, nm);
         }
@@ -438,29 +421,29 @@ static void m_f32_zero_scale(layer_t *L, mm_config *c) {
 }
 
 static void test_loader_first_error(void) {
-  expect_first("NaN in expert 5, bad global in expert 3", F_NVFP4, m_nan_late_and_global_early,
+  expect_first("NaN in expert 5, bad global in expert 3", LB_NVFP4, m_nan_late_and_global_early,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.3.down_proj.weight_scale_2");
-  expect_first("shape in expert 6, NaN in expert 2", F_NVFP4, m_shape_late_nan_early,
+  expect_first("shape in expert 6, NaN in expert 2", LB_NVFP4, m_shape_late_nan_early,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.2.down_proj.weight_scale: NaN");
-  expect_first("up NaN vs down format", F_NVFP4, m_up_nan_vs_down_format,
+  expect_first("up NaN vs down format", LB_NVFP4, m_up_nan_vs_down_format,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.4.up_proj.weight_scale: NaN");
-  expect_first("down format vs later NaN", F_NVFP4, m_down_format_vs_later_nan,
+  expect_first("down format vs later NaN", LB_NVFP4, m_down_format_vs_later_nan,
                MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.4.down_proj.weight_scale: format ue8m0-g16 differs from "
                "experts.1.gate_proj (nvfp4-g16)");
-  expect_first("other format with a NaN", F_NVFP4, m_other_format_with_nan,
+  expect_first("other format with a NaN", LB_NVFP4, m_other_format_with_nan,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.3.gate_proj.weight_scale: NaN");
-  expect_first("requant limit vs later NaN", F_NVFP4, m_requant_limit_vs_later_nan,
+  expect_first("requant limit vs later NaN", LB_NVFP4, m_requant_limit_vs_later_nan,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.1.gate_proj: group16 -> group32");
-  expect_first("requant limit vs same expert NaN", F_NVFP4, m_requant_limit_vs_same_expert_nan,
+  expect_first("requant limit vs same expert NaN", LB_NVFP4, m_requant_limit_vs_same_expert_nan,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.1.down_proj.weight_scale: NaN");
-  expect_first("policy vs NaN in the first tensor", F_NVFP4, m_policy_vs_first_nan,
+  expect_first("policy vs NaN in the first tensor", LB_NVFP4, m_policy_vs_first_nan,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.1.gate_proj.weight_scale: NaN");
-  expect_first("policy", F_NVFP4, m_policy_only, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_first("policy", LB_NVFP4, m_policy_only, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.1.gate_proj.weight_scale: the checkpoint has group-16");
-  expect_first("missing in experts 6 and 1", F_NVFP4, m_missing_late_first,
+  expect_first("missing in experts 6 and 1", LB_NVFP4, m_missing_late_first,
                MEGAMOE_CODE_NOT_FOUND, "experts.1.up_proj.weight_scale: missing");
-  expect_first("F32 zero scale vs not a power of two", F_G16_F32, m_f32_zero_scale,
+  expect_first("F32 zero scale vs not a power of two", LB_G16_F32, m_f32_zero_scale,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.4.up_proj.weight_scale");
 }
 

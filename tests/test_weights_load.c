@@ -31,7 +31,9 @@ static void drop(layer_t *L, const char *name) {
 }
 
 
-typedef enum { FMT_NVFP4, FMT_MX_U8, FMT_MX_E8M0, FMT_MX_I32, FMT_MX_F32, FMT_UE8M0_G16 } fmt;
+#include "layer_builder.h"
+
+typedef lb_fmt fmt;
 
 static uint8_t rand_e4m3(void) {
   for (;;) {
@@ -39,45 +41,26 @@ static uint8_t rand_e4m3(void) {
     if (!mm_e4m3_is_nan(b) && b) return b;
   }
 }
+static uint8_t wl_scale_byte(lb_fmt f) {
+  return f == LB_NVFP4 ? rand_e4m3() : (uint8_t)(110 + mm_test_rand_u64() % 30);
+}
+/* every other expert's up projection shares the gate's global scale */
+static float wl_global_scale(const layer_t *L, int e, int p) {
+  float gs = mm_test_uniform(1e-4f, 1e-2f);
+  if (p == 1 && e % 2 == 0) gs = ((const float *)L->v[L->n - 4].data)[0]; /* gate's */
+  return gs;
+}
+static float wl_input_scale(int e, int p) {
+  (void)p;
+  return 0.5f + (float)e;
+}
 
 /* The same random codes/scale bytes for every encoding (reseeded per layer). */
 static void make_layer(layer_t *L, fmt f, uint64_t seed) {
+  const lb_opts o = {"", NEXP, H, I, wl_scale_byte, wl_global_scale, wl_input_scale};
   uint64_t keep = mm_test_rng_state_;
   mm_test_rng_state_ = seed;
-  L->n = 0;
-  for (int e = 0; e < NEXP; e++)
-    for (int p = 0; p < 3; p++) {
-      static const char *pn[3] = {"gate_proj", "up_proj", "down_proj"};
-      int N = p == 2 ? H : I, K = p == 2 ? I : H;
-      char nm[64];
-      snprintf(nm, sizeof nm, "mlp.experts.%d.%s.weight", e, pn[p]);
-      uint8_t *w = (uint8_t *)add(L, nm, MM_DT_U8, 2, N, K / 2, (size_t)N * K / 2)->data;
-      for (int i = 0; i < N * K / 2; i++) w[i] = (uint8_t)mm_test_rand_u64();
-      snprintf(nm, sizeof nm, "mlp.experts.%d.%s.weight_scale", e, pn[p]);
-      int g = f == FMT_NVFP4 || f == FMT_UE8M0_G16 ? 16 : 32, ng = K / g;
-      uint8_t bytes[H * H / 16];
-      for (int i = 0; i < N * ng; i++)
-        bytes[i] = f == FMT_NVFP4 ? rand_e4m3() : (uint8_t)(110 + mm_test_rand_u64() % 30);
-      if (f == FMT_NVFP4 || f == FMT_MX_U8 || f == FMT_UE8M0_G16 || f == FMT_MX_E8M0) {
-        mm_dtype dt = f == FMT_NVFP4 ? MM_DT_F8_E4M3 : f == FMT_MX_E8M0 ? MM_DT_F8_E8M0 : MM_DT_U8;
-        memcpy((void *)add(L, nm, dt, 2, N, ng, (size_t)N * ng)->data, bytes, (size_t)N * ng);
-      } else if (f == FMT_MX_I32) {
-        int words = (ng + 3) / 4;
-        uint8_t *d = (uint8_t *)add(L, nm, MM_DT_I32, 2, N, words, (size_t)N * words * 4)->data;
-        for (int r = 0; r < N; r++) memcpy(d + (size_t)r * words * 4, bytes + r * ng, (size_t)ng);
-      } else {
-        float *d = (float *)add(L, nm, MM_DT_F32, 2, N, ng, (size_t)N * ng * 4)->data;
-        for (int i = 0; i < N * ng; i++) d[i] = ldexpf(1.0f, bytes[i] - 127);
-      }
-      if (f == FMT_NVFP4) {
-        snprintf(nm, sizeof nm, "mlp.experts.%d.%s.weight_scale_2", e, pn[p]);
-        float gs = mm_test_uniform(1e-4f, 1e-2f);
-        if (p == 1 && e % 2 == 0) gs = ((float *)L->v[L->n - 4].data)[0]; /* equal to gate */
-        *(float *)add(L, nm, MM_DT_F32, 0, 0, 0, 4)->data = gs;
-        snprintf(nm, sizeof nm, "mlp.experts.%d.%s.input_scale", e, pn[p]);
-        *(float *)add(L, nm, MM_DT_F32, 1, 1, 0, 4)->data = 0.5f + (float)e;
-      }
-    }
+  lb_make_layer(L, f, &o);
   mm_test_rng_state_ = keep;
 }
 
@@ -111,7 +94,7 @@ static const mm_tensor_view *tv(layer_t *L, int e, const char *proj, const char 
 
 static void test_nvfp4_plain(void) {
   layer_t L;
-  make_layer(&L, FMT_NVFP4, mm_test_rand_u64());
+  make_layer(&L, LB_NVFP4, mm_test_rand_u64());
   mm_config cfg;
   base_cfg(&cfg);
   mm_expert_q x[4];
@@ -147,7 +130,7 @@ static void test_nvfp4_plain(void) {
 
 static void test_nvfp4_requant(void) {
   layer_t L;
-  make_layer(&L, FMT_NVFP4, mm_test_rand_u64());
+  make_layer(&L, LB_NVFP4, mm_test_rand_u64());
   mm_config cfg;
   base_cfg(&cfg);
   cfg.requant_policy = MM_REQUANT_G16_TO_G32;
@@ -203,11 +186,11 @@ static void test_mxfp4_encodings(void) {
   base_cfg(&cfg);
   mm_expert_q ref[2];
   layer_t L;
-  make_layer(&L, FMT_MX_U8, seed);
+  make_layer(&L, LB_MX_U8, seed);
   CHECK_OK(mm_weights_load_layer(&cfg, L.v, (size_t)L.n, 0, 2, ref, NULL));
   CHECK(ref[0].w13.gran == 32 && ref[0].w13.sf == MM_SF_UE8M0 && ref[0].w13.row_scale[3] == 1.0f);
   free_layer(&L);
-  static const fmt others[] = {FMT_MX_E8M0, FMT_MX_I32, FMT_MX_F32};
+  static const fmt others[] = {LB_MX_E8M0, LB_MX_I32, LB_MX_F32};
   for (int k = 0; k < 3; k++) {
     make_layer(&L, others[k], seed);
     mm_expert_q x[2];
@@ -231,7 +214,7 @@ static void test_mxfp4_encodings(void) {
   cfg.gran_k = 0;
 
   /* UE8M0 group 16: plain, and requantized (row_scale 1 source). */
-  make_layer(&L, FMT_UE8M0_G16, seed);
+  make_layer(&L, LB_UE8M0_G16, seed);
   mm_expert_q x[1];
   CHECK_OK(mm_weights_load_layer(&cfg, L.v, (size_t)L.n, 7, 1, x, NULL));
   CHECK(x[0].w13.gran == 16 && x[0].w13.sf == MM_SF_UE8M0);
@@ -335,60 +318,60 @@ static void m_f32_not_pow2(layer_t *L, mm_config *c) {
 }
 
 static void test_malformed(void) {
-  expect_error("wrong shape", FMT_NVFP4, m_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("wrong shape", LB_NVFP4, m_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.4.down_proj.weight");
-  expect_error("wrong weight dtype", FMT_NVFP4, m_dtype_w, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("wrong weight dtype", LB_NVFP4, m_dtype_w, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.3.gate_proj.weight");
-  expect_error("wrong scale dtype", FMT_NVFP4, m_dtype_s, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("wrong scale dtype", LB_NVFP4, m_dtype_s, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.3.down_proj.weight_scale");
-  expect_error("wrong scale shape", FMT_NVFP4, m_scale_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("wrong scale shape", LB_NVFP4, m_scale_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.down_proj.weight_scale");
-  expect_error("NaN scale 0x7F", FMT_NVFP4, m_nan7f, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("NaN scale 0x7F", LB_NVFP4, m_nan7f, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.5.up_proj.weight_scale: NaN scale byte 0x7f");
-  expect_error("NaN scale 0xFF", FMT_NVFP4, m_nanff, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("NaN scale 0xFF", LB_NVFP4, m_nanff, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.down_proj.weight_scale: NaN scale byte 0xff");
-  expect_error("NaN UE8M0 0xFF", FMT_MX_U8, m_nan_ue8m0, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("NaN UE8M0 0xFF", LB_MX_U8, m_nan_ue8m0, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.3.up_proj.weight_scale");
-  expect_error("NaN global", FMT_NVFP4, m_global_nan, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("NaN global", LB_NVFP4, m_global_nan, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.4.up_proj.weight_scale_2");
-  expect_error("inf global", FMT_NVFP4, m_global_inf, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("inf global", LB_NVFP4, m_global_inf, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.gate_proj.weight_scale_2");
-  expect_error("zero global", FMT_NVFP4, m_global_zero, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("zero global", LB_NVFP4, m_global_zero, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.gate_proj.weight_scale_2");
-  expect_error("overflowing global", FMT_NVFP4, m_global_overflow, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("overflowing global", LB_NVFP4, m_global_overflow, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.3.gate_proj.weight_scale_2");
-  expect_error("inf input_scale", FMT_NVFP4, m_input_inf, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("inf input_scale", LB_NVFP4, m_input_inf, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.5.down_proj.input_scale");
-  expect_error("global not scalar", FMT_NVFP4, m_global_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("global not scalar", LB_NVFP4, m_global_shape, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.5.down_proj.weight_scale_2");
-  expect_error("missing scale", FMT_NVFP4, m_missing, MEGAMOE_CODE_NOT_FOUND,
+  expect_error("missing scale", LB_NVFP4, m_missing, MEGAMOE_CODE_NOT_FOUND,
                "experts.4.up_proj.weight_scale");
-  expect_error("missing weight", FMT_NVFP4, m_missing_w, MEGAMOE_CODE_NOT_FOUND,
+  expect_error("missing weight", LB_NVFP4, m_missing_w, MEGAMOE_CODE_NOT_FOUND,
                "experts.5.down_proj.weight");
-  expect_error("missing global", FMT_NVFP4, m_missing_g, MEGAMOE_CODE_NOT_FOUND,
+  expect_error("missing global", LB_NVFP4, m_missing_g, MEGAMOE_CODE_NOT_FOUND,
                "experts.3.down_proj.weight_scale_2");
-  expect_error("gate/up mismatch", FMT_NVFP4, m_gate_up, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("gate/up mismatch", LB_NVFP4, m_gate_up, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.3.up_proj.weight");
-  expect_error("device tensor", FMT_NVFP4, m_on_device, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("device tensor", LB_NVFP4, m_on_device, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.up_proj.weight");
-  expect_error("duplicate", FMT_NVFP4, m_duplicate, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("duplicate", LB_NVFP4, m_duplicate, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.2.gate_proj.weight");
-  expect_error("mixed formats", FMT_NVFP4, m_mixed, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("mixed formats", LB_NVFP4, m_mixed, MEGAMOE_CODE_INVALID_ARGUMENT,
                "experts.4.down_proj.weight_scale");
-  expect_error("group16 with gran-k 32", FMT_NVFP4, m_gran16_vs_32, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("group16 with gran-k 32", LB_NVFP4, m_gran16_vs_32, MEGAMOE_CODE_INVALID_ARGUMENT,
                "gran-k");
-  expect_error("group32 with gran-k 16", FMT_MX_U8, m_g32_vs_16, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("group32 with gran-k 16", LB_MX_U8, m_g32_vs_16, MEGAMOE_CODE_INVALID_ARGUMENT,
                "gran-k is 16");
-  expect_error("requant with gran-k 16", FMT_NVFP4, m_requant_vs_16, MEGAMOE_CODE_INVALID_ARGUMENT,
+  expect_error("requant with gran-k 16", LB_NVFP4, m_requant_vs_16, MEGAMOE_CODE_INVALID_ARGUMENT,
                "requant.policy");
-  expect_error("F32 scale not a power of two", FMT_MX_F32, m_f32_not_pow2,
+  expect_error("F32 scale not a power of two", LB_MX_F32, m_f32_not_pow2,
                MEGAMOE_CODE_INVALID_ARGUMENT, "experts.3.gate_proj.weight_scale");
 }
 
 /* Tensors of experts that are not local are never looked at. */
 static void test_non_local_ignored(void) {
   layer_t L;
-  make_layer(&L, FMT_NVFP4, mm_test_rand_u64());
+  make_layer(&L, LB_NVFP4, mm_test_rand_u64());
   V(&L, "0.gate_proj.weight")->dtype = MM_DT_BF16;
   drop(&L, "mlp.experts.7.down_proj.weight");
   ((uint8_t *)V(&L, "1.up_proj.weight_scale")->data)[0] = 0x7F;
