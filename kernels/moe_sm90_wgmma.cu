@@ -50,6 +50,10 @@
 namespace {
 
 constexpr int kRowsCta = 256;  /* weight rows per work unit: 4 m64 tiles */
+/* Consumer warpgroups per CTA, each owning two of a unit's m64 tiles (four
+ * of one tile each measured no faster: docs/PERF.md). */
+constexpr int kConsumers = 2;
+constexpr int kTilesPerWg = 4 / kConsumers;
 constexpr int kMaxExperts = 256;
 /* Shared memory per CTA: the per-block maximum with one CTA per SM; with
  * two, half of the SM's 228 KiB less the 1 KiB each block reserves. */
@@ -74,15 +78,14 @@ struct Cfg {
   static constexpr int kStage = kA + kB + kS;
 };
 
-/* NWG consumer warpgroups (2 or 4) share a work unit's 4 m64 tiles; CPS
- * CTAs (1 or 2) share an SM. */
-template <int MODE, int GEMM, int BN, int NWG, int CPS>
+/* CPS CTAs (1 or 2) share an SM. */
+template <int MODE, int GEMM, int BN, int CPS>
 struct Smem {
   static constexpr int kSmemLimit = CPS == 1 ? kSmemLimit1 : kSmemLimit2;
   using C = Cfg<MODE, BN>;
   static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
-                                4 * NWG * BN * 4 /* amax */ + kStaging +
+                                4 * kConsumers * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
   static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
@@ -92,7 +95,7 @@ struct Smem {
   static constexpr int kOffS = kOffA + kStages * C::kA;
   static constexpr int kOffLut = kOffS + kStages * C::kS;
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
-  static constexpr int kOffStg = kOffRed + 4 * NWG * BN * 4;
+  static constexpr int kOffStg = kOffRed + 4 * kConsumers * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
   static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
   static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
@@ -299,23 +302,20 @@ __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, 
   return true;
 }
 
-/* Threads and register split per consumer-warpgroup count: the entry count
- * (65536 / threads, rounded down to 8) times the threads is the CTA's pool;
- * the producer gives back down to 40 and the consumers take the rest
- * (2 consumers: 168 -> 40 / 232; 4 consumers: 96 -> 40 / 104). */
-template <int NWG, int CPS>
+/* Threads and register split per CTAs-per-SM count: the entry count
+ * (65536 / CPS / threads, rounded down to 8) times the threads is the CTA's
+ * pool; the producer gives back registers and the consumers take the rest
+ * (one CTA: 168 -> 40 / 232; two: 80 -> 24 / 104). */
+template <int CPS>
 struct Warps {
-  static constexpr int kThreads = 128 * (NWG + 1);
-  static constexpr int kTiles = 4 / NWG; /* m64 tiles per consumer warpgroup */
+  static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kEntry = 65536 / CPS / kThreads / 8 * 8;
   static constexpr int kProducerRegs = CPS == 1 ? 40 : 24;
-  static constexpr int kConsumerRegs =
-      ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8 > 232
-          ? 232
-          : ((kEntry * kThreads - 128 * kProducerRegs) / (128 * NWG)) / 8 * 8;
-  static_assert(NWG == 2 || NWG == 4, "2 or 4 consumer warpgroups");
+  static constexpr int kConsumerFree =
+      (kEntry * kThreads - 128 * kProducerRegs) / (128 * kConsumers) / 8 * 8;
+  static constexpr int kConsumerRegs = kConsumerFree > 232 ? 232 : kConsumerFree;
   static_assert(CPS == 1 || CPS == 2, "1 or 2 CTAs per SM");
-  static_assert(128 * kProducerRegs + 128 * NWG * kConsumerRegs <= kEntry * kThreads,
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kEntry * kThreads,
                 "register pool over-committed (setmaxnreg.inc would hang)");
 };
 template <int N>
@@ -336,17 +336,17 @@ __device__ __forceinline__ float pow2_exact(int e) {
 }
 
 /* The kernel's two roles, warp-specialized: a producer warpgroup (one thread
- * issues the copies) and NWG consumer warpgroups. BS: the token tile of
- * small experts; kMixed adds 64-wide tiles for the others (NWG 2 only: the
- * 64-wide accumulators do not fit 4 consumers' registers). */
-template <int MODE, int GEMM, int BS, int NWG, int CPS>
+ * issues the copies) and the consumer warpgroups. BS: the token tile of
+ * small experts; kMixed adds 64-wide tiles for the others (one CTA per SM
+ * only: the 64-wide accumulators do not fit two CTAs' registers). */
+template <int MODE, int GEMM, int BS, int CPS>
 struct Kern {
-  static constexpr bool kMixed = BS < 64 && NWG == 2 && CPS == 1;
+  static constexpr bool kMixed = BS < 64 && CPS == 1;
   static constexpr int kBNMax = kMixed ? 64 : BS;
-  using S = Smem<MODE, GEMM, kBNMax, NWG, CPS>;
+  using S = Smem<MODE, GEMM, kBNMax, CPS>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
-  using W = Warps<NWG, CPS>;
-  static constexpr int TPW = W::kTiles;
+  using W = Warps<CPS>;
+  static constexpr int TPW = kTilesPerWg;
 
   /* Token-side copies of one stage: the token tile and its scales. */
   static __device__ __forceinline__ void load_tokens(uint8_t *sm, const Unit &un, int kb,
@@ -600,13 +600,13 @@ struct Kern {
       if (g == 0)
 #pragma unroll
         for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
-      named_sync(1, 128 * NWG);
+      named_sync(1, 128 * kConsumers);
 #pragma unroll
       for (int k = 0; k < NC; k++) {
         const int col = acc_col(k, q);
         float m = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 4 * NWG; x++) m = fmaxf(m, red[x * BN + col]);
+        for (int x = 0; x < 4 * kConsumers; x++) m = fmaxf(m, red[x * BN + col]);
         m = fmaxf(m, 1e-4f);
         const float inv = 448.0f / m;
 #pragma unroll
@@ -625,16 +625,16 @@ struct Kern {
         if (c == 0 && w == 0 && g == 0 && col < un.valid)
           p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
       }
-      named_sync(1, 128 * NWG);
+      named_sync(1, 128 * kConsumers);
       constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
       const size_t esz = C::kF16 ? 2 : 1;
-      for (int idx = ct; idx < BN * kChunks; idx += 128 * NWG) {
+      for (int idx = ct; idx < BN * kChunks; idx += 128 * kConsumers) {
         const int row = idx / kChunks, ck = idx % kChunks;
         if (row < un.valid)
           *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
               *(const uint4 *)(stg + row * 128 * esz + ck * 16);
       }
-      named_sync(1, 128 * NWG);
+      named_sync(1, 128 * kConsumers);
     } else {
       const int H = p.rows;
       uint16_t *stg16 = (uint16_t *)stg;
@@ -651,28 +651,28 @@ struct Kern {
             stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
           }
         }
-      named_sync(1, 128 * NWG);
-      for (int idx = ct; idx < BN * 32; idx += 128 * NWG) {
+      named_sync(1, 128 * kConsumers);
+      for (int idx = ct; idx < BN * 32; idx += 128 * kConsumers) {
         const int row = idx >> 5, ck = idx & 31;
         if (row < un.valid)
           *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + ck * 8) =
               *(const uint4 *)(stg16 + row * 256 + ck * 8);
       }
-      named_sync(1, 128 * NWG);
+      named_sync(1, 128 * kConsumers);
     }
   }
 };
 
 /* tmB / tmS: token tile and scale maps of the BS-wide tiles; tmBL / tmSL:
  * of the 64-wide ones (mixed tiles only). */
-template <int MODE, int GEMM, int BS, int NWG, int CPS>
-__global__ void __launch_bounds__(Warps<NWG, CPS>::kThreads, CPS)
+template <int MODE, int GEMM, int BS, int CPS>
+__global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
               const __grid_constant__ CUtensorMap tmS, const __grid_constant__ CUtensorMap tmBL,
               const __grid_constant__ CUtensorMap tmSL) {
-  using K = Kern<MODE, GEMM, BS, NWG, CPS>;
+  using K = Kern<MODE, GEMM, BS, CPS>;
   using S = typename K::S;
-  using W = Warps<NWG, CPS>;
+  using W = Warps<CPS>;
   constexpr bool kMixed = K::kMixed;
   extern __shared__ uint8_t smem_raw[];
   /* offset arithmetic on the shared pointer keeps ld/st.shared (not generic) */
@@ -689,7 +689,7 @@ __global__ void __launch_bounds__(Warps<NWG, CPS>::kThreads, CPS)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; s++) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * NWG); /* one lane per consumer warp */
+      mbar_init(&empty[s], 4 * kConsumers); /* one lane per consumer warp */
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     int acc = 0;
@@ -827,14 +827,14 @@ struct TileMaps {
   CUtensorMap b, s, bl, sl;
 };
 
-template <int MODE, int GEMM, int BS, int NWG, int CPS>
+template <int MODE, int GEMM, int BS, int CPS>
 mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
-  using S = typename Kern<MODE, GEMM, BS, NWG, CPS>::S;
+  using S = typename Kern<MODE, GEMM, BS, CPS>::S;
   static std::atomic<uint64_t> done{0}; /* one bit per device */
   const int dev = current_device();
   const uint64_t bit = dev < kMaxDevices ? 1ull << dev : 0;
   if (!(done.load() & bit) || !bit) {
-    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, NWG, CPS>,
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, CPS>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     done.fetch_or(bit);
   }
@@ -845,12 +845,12 @@ mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.gridDim = dim3(CPS * sm_count());
-  cfg.blockDim = dim3(Warps<NWG, CPS>::kThreads);
+  cfg.blockDim = dim3(Warps<CPS>::kThreads);
   cfg.dynamicSmemBytes = S::kBytes;
   cfg.stream = st;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, NWG, CPS>, p, m.b, m.s, m.bl, m.sl));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, CPS>, p, m.b, m.s, m.bl, m.sl));
   return NULL;
 }
 
@@ -881,10 +881,10 @@ bool mixed_tiles_enabled() {
   return !(v && v[0] == '0');
 }
 
-template <int MODE, int BS, int NWG, int CPS>
+template <int MODE, int BS, int CPS>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, cudaStream_t st) {
-  const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, NWG, CPS>::kMixed;
+  const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, CPS>::kMixed;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
   MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
@@ -923,13 +923,13 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1, BS, NWG, CPS>(p, m1, st)));
+  MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2, BS, NWG, CPS>(p, m2, st)));
+  MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, st)));
   return NULL;
 }
 
@@ -968,10 +968,10 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
 #define MM_RUN_BN(m)                                                                   \
-  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2, 2>(L, pool, clamp, ws, stream)      \
-                              : run_mode<m, 16, 2, 1>(L, pool, clamp, ws, stream))     \
-         : bn == 32 ? run_mode<m, 32, 2, 1>(L, pool, clamp, ws, stream)                \
-                    : run_mode<m, 64, 2, 1>(L, pool, clamp, ws, stream)
+  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, stream)      \
+                              : run_mode<m, 16, 1>(L, pool, clamp, ws, stream))     \
+         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, stream)                \
+                    : run_mode<m, 64, 1>(L, pool, clamp, ws, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
