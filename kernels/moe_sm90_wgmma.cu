@@ -875,15 +875,11 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
   return NULL;
 }
 
-/* Tuning override: MEGAMOE_SM90_MIXED_TILES=0 keeps every tile BS wide. */
-bool mixed_tiles_enabled() {
-  const char *v = getenv("MEGAMOE_SM90_MIXED_TILES");
-  return !(v && v[0] == '0');
-}
-
+/* allow_mixed: 64-wide tiles for experts with more than BS rows, where the
+ * kernel has them (Kern::kMixed) */
 template <int MODE, int BS, int CPS>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
-                 const mm_sm90_ws *ws, cudaStream_t st) {
+                 const mm_sm90_ws *ws, bool allow_mixed, cudaStream_t st) {
   const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, CPS>::kMixed;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
@@ -917,7 +913,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.act = ws->act;
   p.as_t = ws->as_t;
   p.out = pool->out;
-  p.mixed = mixed && mixed_tiles_enabled();
+  p.mixed = mixed && allow_mixed;
   /* L1 */
   p.mat_off = 0;
   p.rs = L->d_rs13;
@@ -950,9 +946,9 @@ const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
 mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                           const mm_sm90_ws *ws, cudaStream_t stream) {
   /* Token tile from the average rows per expert (the counts live on the
-   * device; the caller's rows hint, else the capacity): small tiles in the decode regime waste no MMA and promotion
-   * work; experts with more rows than the tile get 64-wide tiles (mixed
-   * tiles). At <= 8 rows per expert the FP8 modes run two CTAs per SM
+   * device; the caller's rows hint, else the capacity): small tiles in the
+   * decode regime waste no MMA and promotion work; experts with more rows
+   * than the tile get 64-wide tiles (mixed tiles). At <= 8 rows per expert the FP8 modes run two CTAs per SM
    * instead, 16-wide tiles only: twice the warps to hide the decode's
    * latency, measured 7-12% faster on even loads but 15% slower when one
    * expert takes half the rows (docs/PERF.md). */
@@ -961,17 +957,19 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int cps = fp8 && avg <= 8 ? 2 : 1;
-  /* overrides for tests and tuning (docs/PERF.md) */
+  /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
   if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64)) bn = atoi(v);
   v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
+  v = getenv("MEGAMOE_SM90_MIXED_TILES");
+  const bool mixed = !(v && v[0] == '0');
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
-#define MM_RUN_BN(m)                                                                   \
-  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, stream)      \
-                              : run_mode<m, 16, 1>(L, pool, clamp, ws, stream))     \
-         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, stream)                \
-                    : run_mode<m, 64, 1>(L, pool, clamp, ws, stream)
+#define MM_RUN_BN(m)                                                                     \
+  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, mixed, stream)  \
+                              : run_mode<m, 16, 1>(L, pool, clamp, ws, mixed, stream)) \
+         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, mixed, stream)            \
+                    : run_mode<m, 64, 1>(L, pool, clamp, ws, mixed, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
