@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bench/bench_util.h" /* OK(): a failed call ends the run */
 #include "moe_compute.h"
 
 #define CK(x)                                                                          \
@@ -27,14 +28,6 @@
     cudaError_t e_ = (x);                                                              \
     if (e_ != cudaSuccess) {                                                           \
       fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                         \
-    }                                                                                  \
-  } while (0)
-#define CKM(x)                                                                         \
-  do {                                                                                 \
-    mm_err *e_ = (x);                                                                  \
-    if (e_) {                                                                          \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, e_->message);         \
       exit(1);                                                                         \
     }                                                                                  \
   } while (0)
@@ -162,7 +155,7 @@ int main(int argc, char **argv) {
          prop.multiProcessorCount, mode_name, E, H, I, iters);
 
   mm_sm90_layer *L = NULL;
-  CKM(mm_sm90_layer_create_random(E, H, I, mode, 12345, st, &L));
+  OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, st, &L));
   const double wbytes_all = (double)mm_sm90_layer_device_bytes(L);
 
   /* ceilings */
@@ -181,7 +174,7 @@ int main(int argc, char **argv) {
     float t[7];
     for (int i = 0; i < 9; i++) {
       CK(cudaEventRecord(e0, st));
-      CKM(mm_sm90_bench_read(buf, rb, sink, st));
+      OK(mm_sm90_bench_read(buf, rb, sink, st));
       CK(cudaEventRecord(e1, st));
       CK(cudaEventSynchronize(e1));
       if (i >= 2) CK(cudaEventElapsedTime(&t[i - 2], e0, e1));
@@ -200,8 +193,8 @@ int main(int argc, char **argv) {
     CK(cudaMalloc(&A, (size_t)n * n * 2));
     CK(cudaMalloc(&B, (size_t)n * n * 2));
     CK(cudaMalloc(&D, (size_t)n * n * 2));
-    CKM(mm_sm90_bench_fill_fp8(A, (size_t)n * n * 2, 1, st));
-    CKM(mm_sm90_bench_fill_fp8(B, (size_t)n * n * 2, 2, st));
+    OK(mm_sm90_bench_fill_fp8(A, (size_t)n * n * 2, 1, st));
+    OK(mm_sm90_bench_fill_fp8(B, (size_t)n * n * 2, 2, st));
     const double fl = 2.0 * n * (double)n * n;
     double ms = lt_time(&lc, n, n, n, CUDA_R_8F_E4M3, A, B, D, 10, st);
     lt_fp8_peak = ms > 0 ? fl / (ms * 1e-3) / 1e12 : 0;
@@ -246,9 +239,9 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&sets[s].rw, sizeof(float) * (size_t)M));
         CK(cudaMalloc(&sets[s].out, 2 * (size_t)M * H));
         CK(cudaMalloc(&sets[s].off, sizeof(int) * (E + 1)));
-        CKM(mm_sm90_bench_fill_fp8(sets[s].x, (size_t)M * H, 100 + s, st));
-        CKM(mm_sm90_bench_fill_uniform(sets[s].xs, (size_t)M * (H / 128), 0.01f, 0.02f, 200 + s, st));
-        CKM(mm_sm90_bench_fill_uniform(sets[s].rw, (size_t)M, 0.1f, 1.0f, 300 + s, st));
+        OK(mm_sm90_bench_fill_fp8(sets[s].x, (size_t)M * H, 100 + s, st));
+        OK(mm_sm90_bench_fill_uniform(sets[s].xs, (size_t)M * (H / 128), 0.01f, 0.02f, 200 + s, st));
+        OK(mm_sm90_bench_fill_uniform(sets[s].rw, (size_t)M, 0.1f, 1.0f, 300 + s, st));
         CK(cudaMemcpyAsync(sets[s].off, offs, sizeof(int) * (E + 1), cudaMemcpyHostToDevice, st));
       }
       const size_t wsb = mm_sm90_workspace_bytes(L, M);
@@ -262,7 +255,7 @@ int main(int argc, char **argv) {
         input_set *s = &sets[i % nsets];
         mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0};
         CK(cudaEventRecord(e0, st));
-        CKM(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
+        OK(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
         CK(cudaEventRecord(e1, st));
         CK(cudaEventSynchronize(e1));
         if (i >= 3) CK(cudaEventElapsedTime(&t[i - 3], e0, e1));
@@ -281,9 +274,9 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&X, (size_t)M * H));
         CK(cudaMalloc(&Y, (size_t)M * 2 * I * 2));
         CK(cudaMalloc(&Z, (size_t)M * H * 2));
-        CKM(mm_sm90_bench_fill_fp8(W1, (size_t)2 * I * H, 7, st));
-        CKM(mm_sm90_bench_fill_fp8(W2, (size_t)H * I, 8, st));
-        CKM(mm_sm90_bench_fill_fp8(X, (size_t)M * H, 9, st));
+        OK(mm_sm90_bench_fill_fp8(W1, (size_t)2 * I * H, 7, st));
+        OK(mm_sm90_bench_fill_fp8(W2, (size_t)H * I, 8, st));
+        OK(mm_sm90_bench_fill_fp8(X, (size_t)M * H, 9, st));
         double a = lt_time(&lc, 2 * I, M, H, CUDA_R_8F_E4M3, W1, X, Y, iters, st);
         double b = lt_time(&lc, H, M, I, CUDA_R_8F_E4M3, W2, X, Z, iters, st);
         lt_ms = a > 0 && b > 0 ? a + b : -1;
