@@ -378,10 +378,9 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   pool->num_rows_max = (int)e->sz.pool_rows;
   /* the compute's tile choice: normal mode knows the rows received; low
    * latency (no host read) expects T * top_k, its share of an even routing */
-  pool->rows_hint = (int)(ll ? (int64_t)s->T * e->a.top_k < e->sz.pool_rows
-                                   ? (int64_t)s->T * e->a.top_k
-                                   : e->sz.pool_rows
-                             : e->recv_pairs);
+  const int64_t ll_rows = (int64_t)s->T * e->a.top_k;
+  pool->rows_hint =
+      (int)(ll ? (ll_rows < e->sz.pool_rows ? ll_rows : e->sz.pool_rows) : e->recv_pairs);
   pool->expert_offsets = d->expert_off_pool;
   pool->x = d->pool_x;
   pool->x_scale = d->pool_xs;
