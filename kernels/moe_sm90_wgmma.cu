@@ -15,9 +15,11 @@
  * a skewed expert spreads over every SM.
  *
  * Token tiles (mm_sm90_run_wgmma picks them from the average rows per
- * expert): 16, 32 or 64 tokens; with 16 or 32, an expert holding more rows
- * than that gets 64-wide tiles ("mixed tiles"), so its weights are decoded
- * once per 64 of its tokens. In the decode regime of the FP8 modes the grid
+ * expert): 16, 32, 64 or 128 tokens; with 16 or 32, an expert holding more
+ * rows than that gets 64-wide tiles ("mixed tiles"), so its weights are
+ * decoded once per 64 of its tokens. With 128 (prefill), each consumer
+ * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
+ * halves in turn (Kern::kWide). In the decode regime of the FP8 modes the grid
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; the 64-wide accumulators do not fit their registers).
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
@@ -67,7 +69,10 @@ struct Cfg {
   static constexpr int kRec = kG32 ? 4480 : MODE == 2 ? 4608 : 4736;
   static constexpr int kG = kG32 ? 4 : 8;
   static constexpr int kRefOff = 4096 + 64 * kG;
-  static constexpr int kA = 4 * kRec;            /* 4 records per stage */
+  /* records per stage: the unit's 4 m64 tiles, or with 128-wide token
+   * tiles the 2 of one half of the unit (Kern::kHalves) */
+  static constexpr int kRecs = BN == 128 ? 2 : 4;
+  static constexpr int kA = kRecs * kRec;
   static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
   static constexpr int kB = kF16 ? 2 * kSlab : kSlab;
   /* token scales: TMA wants a 16-byte aligned inner start, so the box is
@@ -83,7 +88,10 @@ template <int MODE, int GEMM, int BN, int CPS>
 struct Smem {
   static constexpr int kSmemLimit = CPS == 1 ? kSmemLimit1 : kSmemLimit2;
   using C = Cfg<MODE, BN>;
-  static constexpr int kStaging = GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * 256 * 2;
+  /* L1: BN tokens x 128 channels; L2: BN tokens x the output columns of
+   * one pass (256, or 128 per half with 128-wide tiles), BF16 */
+  static constexpr int kStaging =
+      GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * (BN == 128 ? 128 : 256) * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
                                 4 * kConsumers * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
@@ -232,7 +240,7 @@ template <int FP8, int N>
 __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint64_t desc, int scale_d);
 
-/* Inline asm wants literal operand lists, so one macro writes the six
+/* Inline asm wants literal operand lists, so one macro writes the eight
  * specializations. Per N: the accumulator's "+f" constraints and PTX operands
  * (%0 .. %(N/2 - 1)), then the operands after them: {a0..a3}, desc and
  * scale_d. KTYPE: K and the input types; TAIL: F16's B-transpose immediate. */
@@ -242,16 +250,23 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 #define MM_ACC_16(d) MM_ACC8(d, 0)
 #define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
 #define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
+#define MM_ACC_128(d) \
+  MM_ACC_64(d), MM_ACC8(d, 32), MM_ACC8(d, 40), MM_ACC8(d, 48), MM_ACC8(d, 56)
 #define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define MM_D_64 \
   MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MM_D_128                                                                          \
+  MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+          "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
 #define MM_AB_64 "{%32, %33, %34, %35}, %36"
+#define MM_AB_128 "{%64, %65, %66, %67}, %68"
 #define MM_SCALE_16 "%13"
 #define MM_SCALE_32 "%21"
 #define MM_SCALE_64 "%37"
+#define MM_SCALE_128 "%69"
 #define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
   template <>                                                                            \
   __device__ __forceinline__ void mma<FP8, N>(float (&d)[N / 2], uint32_t a0, uint32_t a1, \
@@ -269,6 +284,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
 MM_WGMMA_N(64)
+MM_WGMMA_N(128)
 #undef MM_WGMMA_N
 #undef MM_WGMMA
 
@@ -346,7 +362,19 @@ struct Kern {
   using S = Smem<MODE, GEMM, kBNMax, CPS>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
   using W = Warps<CPS>;
-  static constexpr int TPW = kTilesPerWg;
+  /* 128-wide token tiles (prefill): two 128-row halves of the unit one
+   * after the other, one m64 tile per consumer warpgroup in each, since two
+   * tiles' accumulators of 128 columns would not fit the registers; the L1
+   * epilogue keeps the first half's SwiGLU outputs in registers until the
+   * second half completes the 128 channels of its FP8 scale. */
+  static constexpr bool kWide = BS == 128;
+  static constexpr int kHalves = kWide ? 2 : 1;
+  static constexpr int TPW = kWide ? 1 : kTilesPerWg;
+  static_assert(CM::kRecs == kConsumers * TPW, "records per stage");
+  /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
+  static __device__ __forceinline__ int tile_of(int h, int c, int j) {
+    return kConsumers * TPW * h + TPW * c + j;
+  }
 
   /* Token-side copies of one stage: the token tile and its scales. */
   static __device__ __forceinline__ void load_tokens(uint8_t *sm, const Unit &un, int kb,
@@ -387,278 +415,315 @@ struct Kern {
       for (int u = blockIdx.x;
            n < early && next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
            u += gridDim.x)
-        for (int kb = 0; kb < KB && n < early; kb++, n++)
-          load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL);
+        for (int h = 0; h < kHalves && n < early; h++)
+          for (int kb = 0; kb < KB && n < early; kb++, n++)
+            load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL);
       early = -1;
     };
     for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
          u += gridDim.x) {
       const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
-      const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
-                            (size_t)(un.rb * 4) * (size_t)KB * C::kRec;
-      for (int kb = 0; kb < KB; kb++) {
-        mbar_wait(&empty[stage], phase ^ 1);
-        mbar_expect_tx(&full[stage], tx);
-        uint8_t *dA = sm + S::kOffA + stage * C::kA;
+      for (int h = 0; h < kHalves; h++) {
+        const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
+                              (size_t)(un.rb * 4 + h * C::kRecs) * (size_t)KB * C::kRec;
+        for (int kb = 0; kb < KB; kb++) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          mbar_expect_tx(&full[stage], tx);
+          uint8_t *dA = sm + S::kOffA + stage * C::kA;
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-          bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
-                   &full[stage]);
-        if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL);
-        else if (++early == S::kStages) catch_up(); /* before any stage is reused */
-        if (++stage == S::kStages) {
-          stage = 0;
-          phase ^= 1;
+          for (int i = 0; i < C::kRecs; i++)
+            bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
+                     &full[stage]);
+          if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL);
+          else if (++early == S::kStages) catch_up(); /* before any stage is reused */
+          if (++stage == S::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
     }
     if (early >= 0) catch_up();
   }
 
-  /* One work unit of consumer warpgroup c with a BN-wide token tile: the K
-   * loop over the unit's stages, then the epilogue. */
+  /* One work unit of consumer warpgroup c with a BN-wide token tile: per
+   * half (one unless kWide), the K loop over its stages, then the epilogue. */
   template <int BN>
   static __device__ __forceinline__ void consume(const Params &p, uint8_t *sm, const Unit &un,
                                                  int c, int &stage, uint32_t &phase) {
     using C = Cfg<MODE, BN>;
     constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
+    constexpr int NC = BN / 4; /* token columns per thread */
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int tid = threadIdx.x % 128;
     const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
     const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
     const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
     const int KB = p.K / 128;
-    float fin[TPW][NR], acc[TPW][NR];
-#pragma unroll
-    for (int j = 0; j < TPW; j++)
-#pragma unroll
-      for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
-    /* The epilogue's factors from global memory: row factors of the lane's
-     * rows (GEMM 1: gate r0, up r0 + 8; GEMM 2: rows r0, r0 + 8) and
-     * (GEMM 1) the top-k weights of its token columns. Small tiles load
-     * them now, so that their latency hides behind the K loop; beside the
-     * 64-wide tile's accumulators they would spill. */
-    constexpr bool kEarly = BN <= 32;
-    float rsf[TPW][2], rwv[BN / 4];
-    auto load_factors = [&]() {
+    /* 128-wide tiles, L1: the first half's SwiGLU outputs (channel 32 c + lc
+     * of the unit's 128), kept for the second half's FP8 scale */
+    float av0[kWide && GEMM == 1 ? NC : 1];
+#pragma unroll 1
+    for (int h = 0; h < kHalves; h++) {
+      float fin[TPW][NR], acc[TPW][NR];
 #pragma unroll
       for (int j = 0; j < TPW; j++)
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-          rsf[j][h] = p.rs[(size_t)un.e * p.rows + (un.rb * 4 + TPW * c + j) * 64 + r0 + 8 * h];
-#pragma unroll
-      for (int k = 0; k < BN / 4; k++) {
-        const int col = acc_col(k, q);
-        rwv[k] = GEMM == 1 && col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
-      }
-    };
-    if (kEarly) load_factors();
-
-    for (int kb = 0; kb < KB; kb++) {
-      mbar_wait(&full[stage], phase);
-      const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (TPW * c) * C::kRec;
-      /* descriptor of the stage's token tile; steps add their byte offset
-       * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
-      const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
-      const float *sS = (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
-      float sx[BN / 4];
-#pragma unroll
-      for (int k = 0; k < BN / 4; k++) {
-        const float v = sS[acc_col(k, q)];
-        sx[k] = MODE == 2 ? v * 16384.0f : v;
-      }
-      uint32_t wd[TPW][8];
-      float sw[TPW][2];
-      uint32_t sb1[TPW][2];
-      uint2 sb2[TPW][2];
-#pragma unroll
-      for (int j = 0; j < TPW; j++) {
-        const uint8_t *R = sA + j * C::kRec;
-        const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
-        wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
-        wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const int r = r0 + 8 * h;
-          if (C::kG32) sb1[j][h] = *(const uint32_t *)(R + 4096 + r * 4);
-          else sb2[j][h] = *(const uint2 *)(R + 4096 + r * 8);
-          sw[j][h] = MODE == 2 ? 1.0f : pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-      uint32_t a[2][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
-#pragma unroll
-      for (int ch = 0; ch < 4; ch++) {
-        const int buf = ch & 1;
-        if (ch >= 2) wg_wait<1>(); /* chunk ch-2 has retired: its registers are free */
-#pragma unroll
-        for (int j = 0; j < TPW; j++) {
-#pragma unroll
-          for (int rr = 0; rr < 2; rr++) {
-            if (MODE == 2) {
-              const uint32_t word = wd[j][2 * ch + rr];
-#pragma unroll
-              for (int ss = 0; ss < 2; ss++) {
-                const int s = 2 * ch + ss;
-                const uint32_t sbyte = ((s < 4 ? sb2[j][rr].x : sb2[j][rr].y) >> (8 * (s & 3))) & 0xFF;
-                const uint32_t scl = e4m3_pair(sbyte);
-                a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
-                a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
-              }
-            } else {
-              const uint32_t word = wd[j][2 * ch + rr];
-              uint2 llo, lhi;
-              /* byte extract with one prmt (zero-filled from the 0 operand) */
-              if (C::kG32) {
-                llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
-              } else {
-                const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
-                llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
-                lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
-              }
-              const uint32_t sel = word & 0x77777777u;
-              const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
-              const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
-              if (MODE == 4) {
-                /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
-                 * step ch splits into F16 register rr (+2) of the k16 steps
-                 * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
-                a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
-                a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
-                a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
-                a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
-              } else {
-                a[buf][j][0][rr] = lo;
-                a[buf][j][0][rr + 2] = hi;
-              }
-            }
-          }
-        }
-        wg_fence();
-        constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
+        for (int i = 0; i < NR; i++) fin[j][i] = 0.0f;
+      /* The epilogue's factors from global memory: row factors of the lane's
+       * rows (GEMM 1: gate r0, up r0 + 8; GEMM 2: rows r0, r0 + 8) and
+       * (GEMM 1) the top-k weights of its token columns. Small tiles load
+       * them now, so that their latency hides behind the K loop; beside the
+       * 64-wide tile's accumulators they would spill. */
+      constexpr bool kEarly = BN <= 32;
+      float rsf[TPW][2], rwv[NC];
+      auto load_factors = [&]() {
 #pragma unroll
         for (int j = 0; j < TPW; j++)
 #pragma unroll
-          for (int ss = 0; ss < kSteps; ss++) {
-            /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
-            const int s = kSteps * ch + ss;
-            const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
-            mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
-                              a[buf][j][ss][3], d, s > 0);
-          }
-        wg_commit();
-      }
-      wg_wait<0>();
-#pragma unroll
-      for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-      if (lane == 0) mbar_arrive(&empty[stage]);
-      if (++stage == S::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-#pragma unroll
-      for (int j = 0; j < TPW; j++)
-#pragma unroll
-        for (int i = 0; i < NR; i++)
-          fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
-    }
-
-    /* ------------------------------------------------------ epilogue ---- */
-    if (!kEarly) load_factors();
-    uint8_t *stg = sm + S::kOffStg;
-    const int ct = c * 128 + tid;
-    if (GEMM == 1) {
-      const int I = p.rows / 2;
-      constexpr int NC = BN / 4; /* columns per thread */
-      float av[TPW][NC], amx[NC];
-#pragma unroll
-      for (int k = 0; k < NC; k++) amx[k] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < TPW; j++) {
-        const float rsg = rsf[j][0], rsu = rsf[j][1];
+          for (int hh = 0; hh < 2; hh++)
+            rsf[j][hh] = p.rs[(size_t)un.e * p.rows + (un.rb * 4 + tile_of(h, c, j)) * 64 + r0 +
+                              8 * hh];
 #pragma unroll
         for (int k = 0; k < NC; k++) {
-          const int i = 4 * (k >> 1) + (k & 1);
-          float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
-          if (p.clamp > 0.0f) {
-            gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
-            up = mm_clamp_up(up, p.clamp);
-          }
-          const float s = gt / (1.0f + expf(-gt));
-          av[j][k] = (s * up) * rwv[k];
-          amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
+          const int col = acc_col(k, q);
+          rwv[k] = GEMM == 1 && col < un.valid ? p.row_weight[un.tok0 + col] : 0.0f;
         }
-      }
+      };
+      if (kEarly) load_factors();
+
+      for (int kb = 0; kb < KB; kb++) {
+        mbar_wait(&full[stage], phase);
+        const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (TPW * c) * C::kRec;
+        /* descriptor of the stage's token tile; steps add their byte offset
+         * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
+        const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+        const float *sS = (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
+        /* token scales: read before the MMAs, except beside the 128-wide
+         * tile's accumulators (registers), where the promotion reads them */
+        constexpr bool kLateSx = BN == 128;
+        float sx[kLateSx ? 1 : NC];
+        auto token_scale = [&](int k) {
+          const float v = sS[acc_col(k, q)];
+          return MODE == 2 ? v * 16384.0f : v;
+        };
+        if (!kLateSx)
 #pragma unroll
-      for (int k = 0; k < NC; k++) {
-        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 4));
-        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 8));
-        amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 16));
-      }
-      float *red = (float *)(sm + S::kOffRed);
-      if (g == 0)
-#pragma unroll
-        for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
-      named_sync(1, 128 * kConsumers);
-#pragma unroll
-      for (int k = 0; k < NC; k++) {
-        const int col = acc_col(k, q);
-        float m = 0.0f;
-#pragma unroll
-        for (int x = 0; x < 4 * kConsumers; x++) m = fmaxf(m, red[x * BN + col]);
-        m = fmaxf(m, 1e-4f);
-        const float inv = 448.0f / m;
+          for (int k = 0; k < NC; k++) sx[k] = token_scale(k);
+        uint32_t wd[TPW][8];
+        float sw[TPW][2];
+        uint32_t sb1[TPW][2];
+        uint2 sb2[TPW][2];
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
-          /* channel within the 128-block = L2's K column, stored at its
-           * mm_sm90_kperm position (mode 4; identity otherwise) */
-          const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
-          const int lch = 32 * (TPW * c + j) + lc;
-          const uint8_t q8 = f32_to_e4m3(av[j][k] * inv);
+          const uint8_t *R = sA + j * C::kRec;
+          const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
+          wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
+          wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
+#pragma unroll
+          for (int hh = 0; hh < 2; hh++) {
+            const int r = r0 + 8 * hh;
+            if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + 4096 + r * 4);
+            else sb2[j][hh] = *(const uint2 *)(R + 4096 + r * 8);
+            sw[j][hh] = MODE == 2 ? 1.0f : pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        uint32_t a[2][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++) {
+          const int buf = ch & 1;
+          if (ch >= 2) wg_wait<1>(); /* chunk ch-2 has retired: its registers are free */
+#pragma unroll
+          for (int j = 0; j < TPW; j++) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+              if (MODE == 2) {
+                const uint32_t word = wd[j][2 * ch + rr];
+#pragma unroll
+                for (int ss = 0; ss < 2; ss++) {
+                  const int s = 2 * ch + ss;
+                  const uint32_t sbyte = ((s < 4 ? sb2[j][rr].x : sb2[j][rr].y) >> (8 * (s & 3))) & 0xFF;
+                  const uint32_t scl = e4m3_pair(sbyte);
+                  a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
+                  a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
+                }
+              } else {
+                const uint32_t word = wd[j][2 * ch + rr];
+                uint2 llo, lhi;
+                /* byte extract with one prmt (zero-filled from the 0 operand) */
+                if (C::kG32) {
+                  llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
+                } else {
+                  const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
+                  llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+                  lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+                }
+                const uint32_t sel = word & 0x77777777u;
+                const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
+                const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+                if (MODE == 4) {
+                  /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
+                   * step ch splits into F16 register rr (+2) of the k16 steps
+                   * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
+                  a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
+                  a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
+                  a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
+                  a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
+                } else {
+                  a[buf][j][0][rr] = lo;
+                  a[buf][j][0][rr + 2] = hi;
+                }
+              }
+            }
+          }
+          wg_fence();
+          constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
+#pragma unroll
+          for (int j = 0; j < TPW; j++)
+#pragma unroll
+            for (int ss = 0; ss < kSteps; ss++) {
+              /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
+              const int s = kSteps * ch + ss;
+              const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
+              mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
+                                a[buf][j][ss][3], d, s > 0);
+            }
+          wg_commit();
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        if (kLateSx) { /* before the stage is handed back */
+#pragma unroll
+          for (int j = 0; j < TPW; j++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) {
+              const int k = (i >> 2) * 2 + (i & 1);
+              fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+            }
+        }
+        if (lane == 0) mbar_arrive(&empty[stage]);
+        if (++stage == S::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+        if (!kLateSx)
+#pragma unroll
+          for (int j = 0; j < TPW; j++)
+#pragma unroll
+            for (int i = 0; i < NR; i++)
+              fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
+      }
+
+      /* ------------------------------------------------------ epilogue ---- */
+      if (!kEarly) load_factors();
+      uint8_t *stg = sm + S::kOffStg;
+      const int ct = c * 128 + tid;
+      if (GEMM == 1) {
+        const int I = p.rows / 2;
+        float av[TPW][NC], amx[NC];
+#pragma unroll
+        for (int k = 0; k < NC; k++) amx[k] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < TPW; j++) {
+          const float rsg = rsf[j][0], rsu = rsf[j][1];
+#pragma unroll
+          for (int k = 0; k < NC; k++) {
+            const int i = 4 * (k >> 1) + (k & 1);
+            float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
+            if (p.clamp > 0.0f) {
+              gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
+              up = mm_clamp_up(up, p.clamp);
+            }
+            const float s = gt / (1.0f + expf(-gt));
+            av[j][k] = (s * up) * rwv[k];
+            amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
+          }
+        }
+        if (kWide && h == 0) { /* the second half completes the channels */
+#pragma unroll
+          for (int k = 0; k < NC; k++) av0[k] = av[0][k];
+          continue;
+        }
+        if (kWide)
+#pragma unroll
+          for (int k = 0; k < NC; k++) amx[k] = fmaxf(amx[k], fabsf(av0[k]));
+#pragma unroll
+        for (int k = 0; k < NC; k++) {
+          amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 4));
+          amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 8));
+          amx[k] = fmaxf(amx[k], __shfl_xor_sync(0xffffffffu, amx[k], 16));
+        }
+        float *red = (float *)(sm + S::kOffRed);
+        if (g == 0)
+#pragma unroll
+          for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
+        named_sync(1, 128 * kConsumers);
+        /* channel within the 128-block = L2's K column, stored at its
+         * mm_sm90_kperm position (mode 4; identity otherwise) */
+        const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
+        auto stage_q8 = [&](int col, int lch, float v) {
+          const uint8_t q8 = f32_to_e4m3(v);
           if (C::kF16)
             ((uint16_t *)stg)[col * 128 + lch] =
                 __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q8, __NV_E4M3).x;
           else
             stg[col * 128 + lch] = q8;
+        };
+#pragma unroll
+        for (int k = 0; k < NC; k++) {
+          const int col = acc_col(k, q);
+          float m = 0.0f;
+#pragma unroll
+          for (int x = 0; x < 4 * kConsumers; x++) m = fmaxf(m, red[x * BN + col]);
+          m = fmaxf(m, 1e-4f);
+          const float inv = 448.0f / m;
+#pragma unroll
+          for (int j = 0; j < TPW; j++) stage_q8(col, 32 * tile_of(h, c, j) + lc, av[j][k] * inv);
+          if (kWide) stage_q8(col, 32 * tile_of(0, c, 0) + lc, av0[k] * inv);
+          if (c == 0 && w == 0 && g == 0 && col < un.valid)
+            p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
         }
-        if (c == 0 && w == 0 && g == 0 && col < un.valid)
-          p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
-      }
-      named_sync(1, 128 * kConsumers);
-      constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
-      const size_t esz = C::kF16 ? 2 : 1;
-      for (int idx = ct; idx < BN * kChunks; idx += 128 * kConsumers) {
-        const int row = idx / kChunks, ck = idx % kChunks;
-        if (row < un.valid)
-          *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
-              *(const uint4 *)(stg + row * 128 * esz + ck * 16);
-      }
-      named_sync(1, 128 * kConsumers);
-    } else {
-      const int H = p.rows;
-      uint16_t *stg16 = (uint16_t *)stg;
+        named_sync(1, 128 * kConsumers);
+        constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
+        const size_t esz = C::kF16 ? 2 : 1;
+        for (int idx = ct; idx < BN * kChunks; idx += 128 * kConsumers) {
+          const int row = idx / kChunks, ck = idx % kChunks;
+          if (row < un.valid)
+            *(uint4 *)(p.act + ((size_t)(un.tok0 + row) * I + (size_t)un.rb * 128) * esz + ck * 16) =
+                *(const uint4 *)(stg + row * 128 * esz + ck * 16);
+        }
+        named_sync(1, 128 * kConsumers);
+      } else {
+        /* this pass's output columns: the unit's 256, or 128 per half */
+        constexpr int kCols = 256 / kHalves;
+        const int H = p.rows;
+        uint16_t *stg16 = (uint16_t *)stg;
 #pragma unroll
-      for (int j = 0; j < TPW; j++)
+        for (int j = 0; j < TPW; j++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const int nl = 64 * (TPW * c + j) + r0 + 8 * h;
-          const float rsv = rsf[j][h];
+          for (int hh = 0; hh < 2; hh++) {
+            const int nl = 64 * (TPW * c + j) + r0 + 8 * hh;
+            const float rsv = rsf[j][hh];
 #pragma unroll
-          for (int k = 0; k < BN / 4; k++) {
-            const int i = 4 * (k >> 1) + 2 * h + (k & 1);
-            const int col = acc_col(k, q);
-            stg16[col * 256 + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
+            for (int k = 0; k < NC; k++) {
+              const int i = 4 * (k >> 1) + 2 * hh + (k & 1);
+              const int col = acc_col(k, q);
+              stg16[col * kCols + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
+            }
           }
+        named_sync(1, 128 * kConsumers);
+        constexpr int kRowChunks = kCols / 8; /* 16-byte chunks per token row */
+        for (int idx = ct; idx < BN * kRowChunks; idx += 128 * kConsumers) {
+          const int row = (unsigned)idx / kRowChunks, ck = (unsigned)idx % kRowChunks;
+          if (row < un.valid)
+            *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + h * kCols +
+                       ck * 8) = *(const uint4 *)(stg16 + row * kCols + ck * 8);
         }
-      named_sync(1, 128 * kConsumers);
-      for (int idx = ct; idx < BN * 32; idx += 128 * kConsumers) {
-        const int row = idx >> 5, ck = idx & 31;
-        if (row < un.valid)
-          *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + ck * 8) =
-              *(const uint4 *)(stg16 + row * 256 + ck * 8);
+        named_sync(1, 128 * kConsumers);
       }
-      named_sync(1, 128 * kConsumers);
     }
   }
 };
@@ -692,13 +757,27 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
       mbar_init(&empty[s], 4 * kConsumers); /* one lane per consumer warp */
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    int acc = 0;
-    for (int e = 0; e < E; e++) {
-      sched[e] = acc;
-      const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed>(m, p.mixed);
-      acc += (m + bn - 1) / bn * RB;
+  }
+  if (threadIdx.x < 32) { /* sched[e]: first unit of expert e, a prefix sum over one warp */
+    const int lane = threadIdx.x;
+    int carry = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      int n = 0;
+      if (e < E) {
+        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed>(m, p.mixed);
+        n = (m + bn - 1) / bn * RB;
+      }
+      int x = n; /* inclusive scan over the lanes */
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+      }
+      if (e < E) sched[e] = carry + x - n;
+      carry += __shfl_sync(0xffffffffu, x, 31);
     }
-    sched[E] = acc;
+    if (lane == 0) sched[E] = carry;
   }
   if (MODE != 2) /* fold table: modes 1, 3, 4 */
     for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads)
@@ -948,18 +1027,21 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   /* Token tile from the average rows per expert (the counts live on the
    * device; the caller's rows hint, else the capacity): small tiles in the
    * decode regime waste no MMA and promotion work; experts with more rows
-   * than the tile get 64-wide tiles (mixed tiles). At <= 8 rows per expert the FP8 modes run two CTAs per SM
-   * instead, 16-wide tiles only: twice the warps to hide the decode's
-   * latency, measured 7-12% faster on even loads but 15% slower when one
-   * expert takes half the rows (docs/PERF.md). */
+   * than the tile get 64-wide tiles (mixed tiles). Above 64 rows per expert,
+   * 128-wide tiles: half the decode work per MMA, measured 17-24% faster
+   * than 64-wide from 96 rows per expert up, slower at 64 and below, where
+   * they run mostly empty. At <= 8 rows per expert the FP8 modes run two
+   * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
+   * decode's latency, measured 7-12% faster on even loads but 15% slower
+   * when one expert takes half the rows (docs/PERF.md). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
-  int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+  int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int cps = fp8 && avg <= 8 ? 2 : 1;
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
-  if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64)) bn = atoi(v);
+  if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128)) bn = atoi(v);
   v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
   v = getenv("MEGAMOE_SM90_MIXED_TILES");
@@ -969,7 +1051,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, mixed, stream)  \
                               : run_mode<m, 16, 1>(L, pool, clamp, ws, mixed, stream)) \
          : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, mixed, stream)            \
-                    : run_mode<m, 64, 1>(L, pool, clamp, ws, mixed, stream)
+         : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, mixed, stream)            \
+                    : run_mode<m, 128, 1>(L, pool, clamp, ws, mixed, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);

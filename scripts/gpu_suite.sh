@@ -66,7 +66,7 @@ if [[ " $steps " == *" tests "* ]]; then
   t=$pack/tests/gpu_test_moe_compute
   # shellcheck disable=SC2053 # the right side is the test glob
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then
-    for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 "TOKEN_TILE=16 MIXED_TILES=0" \
+    for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 TOKEN_TILE=128 "TOKEN_TILE=16 MIXED_TILES=0" \
       "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
