@@ -1030,15 +1030,16 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * than the tile get 64-wide tiles (mixed tiles). Above 64 rows per expert,
    * 128-wide tiles: half the decode work per MMA, measured 17-24% faster
    * than 64-wide from 96 rows per expert up, slower at 64 and below, where
-   * they run mostly empty. At <= 8 rows per expert the FP8 modes run two
+   * they run mostly empty. At <= 16 rows per expert the FP8 modes run two
    * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
-   * decode's latency, measured 7-12% faster on even loads but 15% slower
-   * when one expert takes half the rows (docs/PERF.md). */
+   * decode's latency, measured 2-10% faster on even loads (8 and 16 rows
+   * per expert), but 15% slower at 8 rows when one expert takes half of
+   * them (docs/PERF.md). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int cps = fp8 && avg <= 8 ? 2 : 1;
+  int cps = fp8 && avg <= 16 ? 2 : 1;
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
   if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128)) bn = atoi(v);
