@@ -924,6 +924,9 @@ mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.gridDim = dim3(CPS * sm_count());
+  /* tests: fewer CTAs, so that each walks many units and reuses its ring */
+  const char *g = getenv("MEGAMOE_SM90_GRID");
+  if (g && atoi(g) > 0 && atoi(g) < (int)cfg.gridDim.x) cfg.gridDim = dim3(atoi(g));
   cfg.blockDim = dim3(Warps<CPS>::kThreads);
   cfg.dynamicSmemBytes = S::kBytes;
   cfg.stream = st;

@@ -62,12 +62,13 @@ if [[ " $steps " == *" tests "* ]]; then
   done
   # The compute kernels' launch shapes that the test's own sizes do not
   # choose, forced (quick set): every token tile, mixed tiles off, one and
-  # two CTAs per SM.
+  # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
+  # pipeline ring wraps; the test's sizes alone never wrap it).
   t=$pack/tests/gpu_test_moe_compute
   # shellcheck disable=SC2053 # the right side is the test glob
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then
     for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 TOKEN_TILE=128 "TOKEN_TILE=16 MIXED_TILES=0" \
-      "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1"; do
+      "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1" GRID=3 "TOKEN_TILE=128 GRID=3"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
       # log names without '=': the device tool does not bring those back
