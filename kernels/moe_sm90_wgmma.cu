@@ -25,7 +25,11 @@
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
- * (ptxas serializes the WGMMAs, C7514).
+ * (version 3: ptxas serialized the WGMMAs, C7514; version 4, 16-wide tiles
+ * with two accumulator sets: up to 11% slower), one FMA per promoted element
+ * while a row keeps its reference exponent (no faster), fold-table loads
+ * hoisted before the decode (no faster), two CTAs per SM with 32-wide tiles
+ * (3-5% faster on even loads, slower skewed, still spills).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
