@@ -910,8 +910,16 @@ struct TileMaps {
   CUtensorMap b, s, bl, sl;
 };
 
+/* The launch-shape overrides that reach below the tile choice
+ * (mm_sm90_run_wgmma reads them all, once per call). */
+struct Overrides {
+  bool allow_mixed; /* 64-wide tiles for experts with more than BS rows, where
+                       the kernel has them (Kern::kMixed) */
+  int max_ctas;     /* tests: at most this many CTAs per launch (0: no cap) */
+};
+
 template <int MODE, int GEMM, int BS, int CPS>
-mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
+mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st) {
   using S = typename Kern<MODE, GEMM, BS, CPS>::S;
   static std::atomic<uint64_t> done{0}; /* one bit per device */
   const int dev = current_device();
@@ -927,10 +935,8 @@ mm_err *launch(const Params &p, const TileMaps &m, cudaStream_t st) {
   attr.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
-  cfg.gridDim = dim3(CPS * sm_count());
-  /* tests: fewer CTAs, so that each walks many units and reuses its ring */
-  const char *g = getenv("MEGAMOE_SM90_GRID");
-  if (g && atoi(g) > 0 && atoi(g) < (int)cfg.gridDim.x) cfg.gridDim = dim3(atoi(g));
+  const int ctas = CPS * sm_count();
+  cfg.gridDim = dim3(max_ctas > 0 && max_ctas < ctas ? max_ctas : ctas);
   cfg.blockDim = dim3(Warps<CPS>::kThreads);
   cfg.dynamicSmemBytes = S::kBytes;
   cfg.stream = st;
@@ -961,11 +967,9 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
   return NULL;
 }
 
-/* allow_mixed: 64-wide tiles for experts with more than BS rows, where the
- * kernel has them (Kern::kMixed) */
 template <int MODE, int BS, int CPS>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
-                 const mm_sm90_ws *ws, bool allow_mixed, cudaStream_t st) {
+                 const mm_sm90_ws *ws, const Overrides &o, cudaStream_t st) {
   const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, CPS>::kMixed;
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   /* TMA wants 16-byte aligned bases (the L2 epilogue stores 16 bytes too) */
@@ -999,19 +1003,19 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.act = ws->act;
   p.as_t = ws->as_t;
   p.out = pool->out;
-  p.mixed = mixed && allow_mixed;
+  p.mixed = mixed && o.allow_mixed;
   /* L1 */
   p.mat_off = 0;
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, st)));
+  MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, o.max_ctas, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, st)));
+  MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, o.max_ctas, st)));
   return NULL;
 }
 
@@ -1053,14 +1057,18 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
   v = getenv("MEGAMOE_SM90_MIXED_TILES");
-  const bool mixed = !(v && v[0] == '0');
+  Overrides o;
+  o.allow_mixed = !(v && v[0] == '0');
+  /* fewer CTAs, so that each walks many units and reuses its ring */
+  v = getenv("MEGAMOE_SM90_GRID");
+  o.max_ctas = v ? atoi(v) : 0;
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
-#define MM_RUN_BN(m)                                                                     \
-  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, mixed, stream)  \
-                              : run_mode<m, 16, 1>(L, pool, clamp, ws, mixed, stream)) \
-         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, mixed, stream)            \
-         : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, mixed, stream)            \
-                    : run_mode<m, 128, 1>(L, pool, clamp, ws, mixed, stream)
+#define MM_RUN_BN(m)                                                                   \
+  return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
+                              : run_mode<m, 16, 1>(L, pool, clamp, ws, o, stream))     \
+         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream)                \
+         : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream)                \
+                    : run_mode<m, 128, 1>(L, pool, clamp, ws, o, stream)
   switch (L->mode) {
     case MM_WMODE_G32_FP8: MM_RUN_BN(1);
     case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
