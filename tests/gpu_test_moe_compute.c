@@ -183,10 +183,9 @@ static void check_intermediate(const mm_expert_q *ex, const int *offs, int E, co
         const size_t o = (size_t)i * I + c;
         if (gq[o] == rq[o]) continue;
         diff++;
-        if (!code_explained(&ex[e], d, o, c, rw[i], clamp, gs[(size_t)i * (I / 128) + c / 128], tau,
-                            abs_slack, gq[o], rq[o])) {
+        const float gs_ = gs[(size_t)i * (I / 128) + c / 128]; /* the GPU's block scale */
+        if (!code_explained(&ex[e], d, o, c, rw[i], clamp, gs_, tau, abs_slack, gq[o], rq[o])) {
           if (unexplained++ < 3) {
-            const float gs_ = gs[(size_t)i * (I / 128) + c / 128];
             const float gf = mm_round_bf16((float)(d->g[o] * ex[e].w13.row_scale[c]));
             const float uf = mm_round_bf16((float)(d->u[o] * ex[e].w13.row_scale[I + c]));
             printf("#   row %d channel %d: gpu code 0x%02x, reference 0x%02x, not a near-tie: "
