@@ -608,7 +608,11 @@ struct Kern {
               fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
             }
         }
-        if (lane == 0) mbar_arrive(&empty[stage]);
+        /* every thread releases its own reads of the stage (an arrive
+         * releases only the arriving thread's accesses), after a proxy
+         * fence: the producer's next bulk copy (async proxy) overwrites it */
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive(&empty[stage]);
         if (++stage == S::kStages) {
           stage = 0;
           phase ^= 1;
@@ -758,7 +762,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; s++) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * kConsumers); /* one lane per consumer warp */
+      mbar_init(&empty[s], 128 * kConsumers); /* every consumer thread */
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
