@@ -22,6 +22,9 @@
  * halves in turn (Kern::kWide). In the decode regime of the FP8 modes the grid
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; the 64-wide accumulators do not fit their registers).
+ * With 64-wide tiles (and 128-wide ones outside mode 1) the two consumer
+ * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
+ * ones outside mode 1 load token-scale pairs (Kern::kPairScales).
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -176,6 +179,9 @@ __device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, int c0
 }
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
@@ -375,6 +381,20 @@ struct Kern {
   static constexpr int kHalves = kWide ? 2 : 1;
   static constexpr int TPW = kWide ? 1 : kTilesPerWg;
   static_assert(CM::kRecs == kConsumers * TPW, "records per stage");
+  /* Turns: the consumer warpgroups take turns issuing a block's MMAs (named
+   * barriers kTurn + c), so that one promotes while the other's MMAs run,
+   * instead of both promoting at once beside an idle tensor pipe. Measured
+   * (docs/PERF.md, version 5): 4-10% faster with 64-wide tiles in every mode,
+   * 2-4% with 128-wide tiles in modes 2-4, 3% slower with them in mode 1
+   * (the least work beside its MMAs); 16- and 32-wide tiles are decode-bound, and turns
+   * would serialize their decode. Warpgroup 1 grants the first turn;
+   * warpgroup 0 takes the last grant. */
+  static constexpr bool kPingPong = BS == 64 || (BS == 128 && MODE != 1);
+  static constexpr int kTurn = 2;
+  /* 128-wide tiles outside mode 1: the promotion reads a lane's two adjacent
+   * token scales with one 8-byte load where the tile starts at an even row
+   * (mode 1 measured no faster with it: 1-4% slower, with turns or without). */
+  static constexpr bool kPairScales = kWide && MODE != 1;
   /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
   static __device__ __forceinline__ int tile_of(int h, int c, int j) {
     return kConsumers * TPW * h + TPW * c + j;
@@ -582,6 +602,7 @@ struct Kern {
               }
             }
           }
+          if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
           wg_fence();
           constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
 #pragma unroll
@@ -596,17 +617,33 @@ struct Kern {
             }
           wg_commit();
         }
+        if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
         wg_wait<0>();
 #pragma unroll
         for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
         if (kLateSx) { /* before the stage is handed back */
+          /* a lane's columns come in adjacent pairs (acc_col) */
+          if (kPairScales && !(un.tok0 & 1)) {
 #pragma unroll
-          for (int j = 0; j < TPW; j++)
+            for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
+              const float2 t = *(const float2 *)(sS + acc_col(2 * m, q));
+              const float tx = MODE == 2 ? t.x * 16384.0f : t.x;
+              const float ty = MODE == 2 ? t.y * 16384.0f : t.y;
 #pragma unroll
-            for (int i = 0; i < NR; i++) {
-              const int k = (i >> 2) * 2 + (i & 1);
-              fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+              for (int j = 0; j < TPW; j++)
+#pragma unroll
+                for (int i = 4 * m; i < 4 * m + 4; i++)
+                  fin[j][i] = fmaf(acc[j][i], ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1], fin[j][i]);
             }
+          } else {
+#pragma unroll
+            for (int j = 0; j < TPW; j++)
+#pragma unroll
+              for (int i = 0; i < NR; i++) {
+                const int k = (i >> 2) * 2 + (i & 1);
+                fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+              }
+          }
         }
         /* every thread releases its own reads of the stage (an arrive
          * releases only the arriving thread's accesses), after a proxy
@@ -812,12 +849,15 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   int stage = 0, e = 0;
   uint32_t phase = 0;
   Unit un;
+  static_assert(!K::kPingPong || kConsumers == 2, "turns between two warpgroups");
+  if (K::kPingPong && c == 1) named_arrive(K::kTurn, 128 * kConsumers);
   for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, E, p.mixed, u, &e, &un); u += gridDim.x) {
     if (kMixed && un.bn == 64)
       K::template consume<kMixed ? 64 : BS>(p, sm, un, c, stage, phase);
     else
       K::template consume<BS>(p, sm, un, c, stage, phase);
   }
+  if (K::kPingPong && c == 0) named_sync(K::kTurn, 128 * kConsumers);
 }
 
 /* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16 (mode 4

@@ -16,6 +16,7 @@
 #                          (whole-layer latency on the e2e checkpoint)
 #   MEGAMOE_TEST_REPLAYS=1000   graph replays of gpu_test_ep_ranks
 #   GPU_SUITE_SANITIZE="GLOB ..."   test binaries under compute-sanitizer
+#   GPU_SUITE_SANITIZE_TOOLS="memcheck racecheck synccheck"   its tools
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
 out=${2:-${OUT:-/tmp/gpu_suite}}
@@ -63,12 +64,14 @@ if [[ " $steps " == *" tests "* ]]; then
   # The compute kernels' launch shapes that the test's own sizes do not
   # choose, forced (quick set): every token tile, mixed tiles off, one and
   # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
-  # pipeline ring wraps; the test's sizes alone never wrap it).
+  # pipeline ring wraps; the test's sizes alone never wrap it; with 64- and
+  # 128-wide tiles the consumer warpgroups' turns run through many units).
   t=$pack/tests/gpu_test_moe_compute
   # shellcheck disable=SC2053 # the right side is the test glob
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then
     for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 TOKEN_TILE=128 "TOKEN_TILE=16 MIXED_TILES=0" \
-      "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1" GRID=3 "TOKEN_TILE=128 GRID=3"; do
+      "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1" GRID=3 "TOKEN_TILE=64 GRID=3" \
+      "TOKEN_TILE=128 GRID=3"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
       # log names without '=': the device tool does not bring those back
@@ -85,7 +88,7 @@ if [[ " $steps " == *" sanitizer "* ]]; then
   for t in $(for pat in ${GPU_SUITE_SANITIZE:-gpu_test_*}; do echo "$pack"/tests/$pat; done); do
     [ -x "$t" ] || continue
     name=$(basename "$t")
-    for tool in ${GPU_SUITE_SANITIZE_TOOLS:-memcheck racecheck}; do
+    for tool in ${GPU_SUITE_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
       MEGAMOE_TEST_QUICK=1 MEGAMOE_EP_TEST_ONLY=engine MEGAMOE_TEST_REPLAYS=3 \
         timeout 400 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
         "$t" >"$out/$name.$tool.log" 2>&1
