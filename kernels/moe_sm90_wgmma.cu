@@ -516,19 +516,34 @@ struct Kern {
       };
       if (kEarly) load_factors();
 
+      /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
+       * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
+       * recomputed them from %tid at the top of every block; the empty asm
+       * keeps them in registers there: 3-7% faster at M = 256 and 512. The
+       * other kernels keep their own address arithmetic (with the pinned
+       * form they were 1-3% slower, and the F16 modes spilled). */
+      constexpr bool kPin = CPS == 2 && !C::kF16;
+      uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
+      uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * (C::kG32 ? 4 : 8);  /* scales */
+      uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
+      uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
+      /* the token column that sS points at */
+      const int col0 = kPin ? acc_col(0, q) : 0;
       for (int kb = 0; kb < KB; kb++) {
+        if (kPin) asm volatile("" : "+r"(o_w), "+r"(o_s), "+r"(o_r), "+r"(o_x));
         mbar_wait(&full[stage], phase);
-        const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (TPW * c) * C::kRec;
+        const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (kPin ? 0 : (TPW * c) * C::kRec);
         /* descriptor of the stage's token tile; steps add their byte offset
          * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
         const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
-        const float *sS = (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
+        const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
+                               : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
         /* token scales: read before the MMAs, except beside the 128-wide
          * tile's accumulators (registers), where the promotion reads them */
         constexpr bool kLateSx = BN == 128;
         float sx[kLateSx ? 1 : NC];
         auto token_scale = [&](int k) {
-          const float v = sS[acc_col(k, q)];
+          const float v = sS[acc_col(k, q) - col0];
           return MODE == 2 ? v * 16384.0f : v;
         };
         if (!kLateSx)
@@ -541,15 +556,18 @@ struct Kern {
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
           const uint8_t *R = sA + j * C::kRec;
-          const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
+          const uint4 c0 = *(const uint4 *)(R + (kPin ? o_w : tid * 16)),
+                      c1 = *(const uint4 *)(R + (kPin ? o_w + 2048 : 2048 + tid * 16));
           wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
           wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
 #pragma unroll
           for (int hh = 0; hh < 2; hh++) {
             const int r = r0 + 8 * hh;
-            if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + 4096 + r * 4);
-            else sb2[j][hh] = *(const uint2 *)(R + 4096 + r * 8);
-            sw[j][hh] = MODE == 2 ? 1.0f : pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+            if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + (kPin ? o_s + 32 * hh : 4096 + r * 4));
+            else sb2[j][hh] = *(const uint2 *)(R + (kPin ? o_s + 64 * hh : 4096 + r * 8));
+            sw[j][hh] = MODE == 2 ? 1.0f
+                                  : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
+                                                                            : C::kRefOff + 2 * r)));
           }
         }
 #pragma unroll
@@ -626,7 +644,7 @@ struct Kern {
           if (kPairScales && !(un.tok0 & 1)) {
 #pragma unroll
             for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
-              const float2 t = *(const float2 *)(sS + acc_col(2 * m, q));
+              const float2 t = *(const float2 *)(sS + acc_col(2 * m, q) - col0);
               const float tx = MODE == 2 ? t.x * 16384.0f : t.x;
               const float ty = MODE == 2 ? t.y * 16384.0f : t.y;
 #pragma unroll
