@@ -75,7 +75,18 @@ static void requant_case(int rows, int cols, mm_scale_format sf, int with_rs, in
   CHECK_MSG(memcmp(gc, cc, cb) == 0, "codes differ [%d, %d] sf %d", rows, cols, (int)sf);
   CHECK_MSG(memcmp(gs, cs, s32) == 0, "scales differ [%d, %d] sf %d", rows, cols, (int)sf);
   CHECK_NEAR(gst.rel_rms, cst.rel_rms, 1e-5 * cst.rel_rms + 1e-12);
-  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * cst.max_abs);
+  /* The GPU keeps a group's error statistics in FP32 units of its scale
+   * 2^E (kernels/prep_lut.h): an error below 2^(E - 149), of an element
+   * 2^149 below the group's largest one (the other half's scale), counts as
+   * 0 there (seed 1796016599: 0 against the CPU's 4.6e-33). */
+  int bmax = 0;
+  for (size_t i = 0; i < s32; i++) bmax = cs[i] > bmax ? cs[i] : bmax;
+  const double underflow = ldexp(1.0, bmax - 127 - 149);
+  if (fabs(gst.max_abs - cst.max_abs) > 1e-5 * cst.max_abs)
+    printf("# [%d, %d] sf %d: max |error| GPU %g, CPU %g, within the FP32 underflow slack %g: %s\n",
+           rows, cols, (int)sf, gst.max_abs, cst.max_abs, underflow,
+           fabs(gst.max_abs - cst.max_abs) <= 1e-5 * cst.max_abs + underflow ? "yes" : "no");
+  CHECK_NEAR(gst.max_abs, cst.max_abs, 1e-5 * cst.max_abs + underflow);
   CHECK_EQ_INT(gst.count, cst.count);
 
   /* Without stats, and the per-element reference kernel: same bytes. */
