@@ -138,7 +138,9 @@ MM_HD uint32_t mm_lut_map_word(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uin
  * the two group-16 scale bytes in s2 (low byte first), row factor rs.
  * Returns the UE8M0 byte and fills out[4]; *bad = 1 (nothing written) when a
  * source value is not finite. With stats, st[0] += sum x^2, st[1] += sum
- * e^2, st[2] = max(st[2], |e|), all in units of 2^E (x = v / 2^E). */
+ * e^2, st[2] = max(st[2], |e|), all in units of 2^E (x = v / 2^E); in those
+ * FP32 units an element 2^149 below the group's largest (the other half's
+ * scale) underflows, and its error counts as 0 (the CPU's stats keep it). */
 MM_HD uint32_t mm_lut_requant_group(const uint32_t w[4], uint32_t s2, int e4m3, float rs,
                                     uint32_t out[4], int want_stats, float st[3], int *bad) {
   float s16[2];
