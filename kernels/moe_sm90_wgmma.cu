@@ -386,9 +386,9 @@ struct Kern {
    * instead of both promoting at once beside an idle tensor pipe. Measured
    * (docs/PERF.md, version 5): 4-10% faster with 64-wide tiles in every mode,
    * 2-4% with 128-wide tiles in modes 2-4, 3% slower with them in mode 1
-   * (the least work beside its MMAs); 16- and 32-wide tiles are decode-bound, and turns
-   * would serialize their decode. Warpgroup 1 grants the first turn;
-   * warpgroup 0 takes the last grant. */
+   * (the least work beside its MMAs); 16- and 32-wide tiles are decode-bound,
+   * and turns would serialize their decode. Warpgroup 1 grants the first
+   * turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (BS == 128 && MODE != 1);
   static constexpr int kTurn = 2;
   /* 128-wide tiles outside mode 1: the promotion reads a lane's two adjacent
@@ -519,9 +519,10 @@ struct Kern {
       /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
        * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
        * recomputed them from %tid at the top of every block; the empty asm
-       * keeps them in registers there: 3-7% faster at M = 256 and 512. The
-       * other kernels keep their own address arithmetic (with the pinned
-       * form they were 1-3% slower, and the F16 modes spilled). */
+       * keeps them in registers there: 2-7% faster at M = 256 and 512 in
+       * mode 1 (mode 3 unchanged). The other kernels keep their own address
+       * arithmetic (with the pinned form they were 1-3% slower, and the F16
+       * modes spilled). */
       constexpr bool kPin = CPS == 2 && !C::kF16;
       uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
       uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * (C::kG32 ? 4 : 8);  /* scales */
