@@ -384,11 +384,11 @@ struct Kern {
   /* Turns: the consumer warpgroups take turns issuing a block's MMAs (named
    * barriers kTurn + c), so that one promotes while the other's MMAs run,
    * instead of both promoting at once beside an idle tensor pipe. Measured
-   * (docs/PERF.md, version 5): 4-10% faster with 64-wide tiles in every mode,
-   * 2-4% with 128-wide tiles in modes 2-4, 3% slower with them in mode 1
-   * (the least work beside its MMAs); 16- and 32-wide tiles are decode-bound,
-   * and turns would serialize their decode. Warpgroup 1 grants the first
-   * turn; warpgroup 0 takes the last grant. */
+   * (docs/PERF.md, version 5): with 64-wide tiles 4-9% faster in modes 1-3
+   * and 1% in mode 4, with 128-wide tiles 2-4% faster in modes 2-4 and 3%
+   * slower in mode 1 (the least work beside its MMAs). 16- and 32-wide tiles
+   * are decode-bound, and turns would serialize their decode. Warpgroup 1
+   * grants the first turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (BS == 128 && MODE != 1);
   static constexpr int kTurn = 2;
   /* 128-wide tiles outside mode 1: the promotion reads a lane's two adjacent
