@@ -32,7 +32,10 @@
  * with two accumulator sets: up to 11% slower), one FMA per promoted element
  * while a row keeps its reference exponent (no faster), fold-table loads
  * hoisted before the decode (no faster), two CTAs per SM with 32-wide tiles
- * (3-5% faster on even loads, slower skewed, still spills).
+ * (3-5% faster on even loads, slower skewed, still spills), separate decoder
+ * warpgroups writing E4M3 tiles for SS WGMMAs (version 6: 12-57% slower, the
+ * decoders the bottleneck; branch proto/decoder-warpgroups), a bank-conflict
+ * swizzle of the fold table (one more instruction per lookup: 3-12% slower).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
