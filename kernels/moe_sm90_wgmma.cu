@@ -576,11 +576,20 @@ struct Kern {
         }
 #pragma unroll
         for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        uint32_t a[2][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
+        /* A registers: a chunk's stay untouched until its MMAs retire. The
+         * FP8 modes' 64-wide tiles give each of the block's 4 chunks its own
+         * buffer, so that no decode waits on an MMA inside the block (mode 1
+         * 2-5% faster, docs/PERF.md version 6). The others alternate two
+         * buffers: 16/32-wide tiles measured 1% slower with four, 128-wide
+         * ones no faster, and the F16 fragments (twice the registers)
+         * spilled. */
+        constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
+        uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
 #pragma unroll
         for (int ch = 0; ch < 4; ch++) {
-          const int buf = ch & 1;
-          if (ch >= 2) wg_wait<1>(); /* chunk ch-2 has retired: its registers are free */
+          const int buf = ch % kBufs;
+          /* two buffers: chunk ch-2 has retired, its registers are free */
+          if (kBufs == 2 && ch >= 2) wg_wait<1>();
 #pragma unroll
           for (int j = 0; j < TPW; j++) {
 #pragma unroll
