@@ -398,6 +398,11 @@ struct Kern {
    * token scales with one 8-byte load where the tile starts at an even row
    * (mode 1 measured no faster with it: 1-4% slower, with turns or without). */
   static constexpr bool kPairScales = kWide && MODE != 1;
+  /* A token scale as the promotion applies it: mode 2's F16 weights hold
+   * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
+  static __device__ __forceinline__ float token_factor(float v) {
+    return MODE == 2 ? v * 16384.0f : v;
+  }
   /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
   static __device__ __forceinline__ int tile_of(int h, int c, int j) {
     return kConsumers * TPW * h + TPW * c + j;
@@ -547,8 +552,7 @@ struct Kern {
         constexpr bool kLateSx = BN == 128;
         float sx[kLateSx ? 1 : NC];
         auto token_scale = [&](int k) {
-          const float v = sS[acc_col(k, q) - col0];
-          return MODE == 2 ? v * 16384.0f : v;
+          return token_factor(sS[acc_col(k, q) - col0]);
         };
         if (!kLateSx)
 #pragma unroll
@@ -658,8 +662,7 @@ struct Kern {
 #pragma unroll
             for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
               const float2 t = *(const float2 *)(sS + acc_col(2 * m, q) - col0);
-              const float tx = MODE == 2 ? t.x * 16384.0f : t.x;
-              const float ty = MODE == 2 ? t.y * 16384.0f : t.y;
+              const float tx = token_factor(t.x), ty = token_factor(t.y);
 #pragma unroll
               for (int j = 0; j < TPW; j++)
 #pragma unroll
