@@ -22,9 +22,11 @@
  * halves in turn (Kern::kWide). In the decode regime of the FP8 modes the grid
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; the 64-wide accumulators do not fit their registers).
- * With 64-wide tiles (and 128-wide ones outside mode 1) the two consumer
+ * With 64-wide tiles (and 128-wide ones in the F16 modes) the two consumer
  * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
- * ones outside mode 1 load token-scale pairs (Kern::kPairScales).
+ * F16 ones load token-scale pairs (Kern::kPairScales). 128-wide tiles in the
+ * FP8 modes decode one K block ahead (Kern::k_loop_ahead): block kb + 1's
+ * decode runs beside block kb's promotion.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -392,12 +394,16 @@ struct Kern {
    * slower in mode 1 (the least work beside its MMAs). 16- and 32-wide tiles
    * are decode-bound, and turns would serialize their decode. Warpgroup 1
    * grants the first turn; warpgroup 0 takes the last grant. */
-  static constexpr bool kPingPong = BS == 64 || (BS == 128 && MODE != 1);
+  static constexpr bool kPingPong = BS == 64 || (kWide && CM::kF16);
   static constexpr int kTurn = 2;
-  /* 128-wide tiles outside mode 1: the promotion reads a lane's two adjacent
-   * token scales with one 8-byte load where the tile starts at an even row
-   * (mode 1 measured no faster with it: 1-4% slower, with turns or without). */
-  static constexpr bool kPairScales = kWide && MODE != 1;
+  /* Decode ahead (k_loop_ahead): the K loop of the FP8 modes' 128-wide
+   * tiles. Without turns: mode 3 measured 2-4% faster without them there. */
+  static constexpr bool kAhead = kWide && !CM::kF16;
+  /* 128-wide tiles of the F16 modes: the promotion reads a lane's two
+   * adjacent token scales with one 8-byte load where the tile starts at an
+   * even row (mode 1 measured 1-4% slower with it, and 10-20% slower in the
+   * decode-ahead loop). */
+  static constexpr bool kPairScales = kWide && CM::kF16;
   /* A token scale as the promotion applies it: mode 2's F16 weights hold
    * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
   static __device__ __forceinline__ float token_factor(float v) {
@@ -478,6 +484,118 @@ struct Kern {
     if (early >= 0) catch_up();
   }
 
+  /* The K loop of one 128-wide FP8 tile, decoding ahead: block kb + 1's
+   * records are fetched and decoded while block kb is promoted, in one
+   * straight stretch of code, so that the decode's byte permutes and table
+   * loads (ALU pipe, shared memory) overlap the promotion's FMAs; block
+   * kb + 1's four MMAs then issue together from four ready A buffers.
+   * Measured 3-5% faster than decoding each chunk before its MMA (docs/PERF.md,
+   * version 7). fin / acc: the tile's promoted and block accumulators. */
+  static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
+                                                      int c, int &stage, uint32_t &phase,
+                                                      float (&fin)[64], float (&acc)[64]) {
+    using C = Cfg<MODE, 128>;
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    const int tid = threadIdx.x % 128;
+    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 */
+    const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
+    const int KB = p.K / 128;
+    uint32_t a[4][4];      /* A fragments: [chunk][register] */
+    uint32_t wd[8];        /* the next block's code words */
+    uint2 tl[4][2][2];     /* its fold-table entries: [chunk][row][lo / hi] */
+    float sw[2], swn[2];   /* weight references: the block in flight, the next */
+    auto fetch = [&](int st) {
+      const uint8_t *R = sm + S::kOffA + st * C::kA + c * C::kRec;
+      const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
+      wd[0] = c0.x; wd[1] = c0.y; wd[2] = c0.z; wd[3] = c0.w;
+      wd[4] = c1.x; wd[5] = c1.y; wd[6] = c1.z; wd[7] = c1.w;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int r = r0 + 8 * hh;
+        if (C::kG32) {
+          const uint32_t sb = *(const uint32_t *)(R + 4096 + r * 4);
+#pragma unroll
+          for (int ch = 0; ch < 4; ch++) tl[ch][hh][0] = tl[ch][hh][1] = lut[prmt(sb, 0, 0x4440 | ch)];
+        } else {
+          const uint2 sb = *(const uint2 *)(R + 4096 + r * 8);
+#pragma unroll
+          for (int ch = 0; ch < 4; ch++) {
+            const uint32_t v = ch < 2 ? sb.x : sb.y;
+            tl[ch][hh][0] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+            tl[ch][hh][1] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+          }
+        }
+        swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+      }
+    };
+    auto decode = [&](int ch) {
+#pragma unroll
+      for (int rr = 0; rr < 2; rr++) {
+        const uint32_t word = wd[2 * ch + rr], sel = word & 0x77777777u;
+        a[ch][rr] = prmt(tl[ch][rr][0].x, tl[ch][rr][0].y, sel) | (word & 0x80808080u);
+        a[ch][rr + 2] = prmt(tl[ch][rr][1].x, tl[ch][rr][1].y, sel >> 16) | ((word << 4) & 0x80808080u);
+      }
+    };
+    /* registers [16 part, 16 part + 16) of the block in the stage's tile */
+    auto promote = [&](int part) {
+      const float *sS = (const float *)(sm + S::kOffS + stage * C::kS) + (un.tok0 & 3);
+#pragma unroll
+      for (int ii = 0; ii < 16; ii++) {
+        const int i = 16 * part + ii, k = (i >> 2) * 2 + (i & 1);
+        fin[i] = fmaf(acc[i], token_factor(sS[acc_col(k, q)]) * sw[(i >> 1) & 1], fin[i]);
+      }
+    };
+    auto issue = [&]() { /* the block's 4 chunks, 4 MMAs */
+      const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
+      fence_acc(acc);
+      wg_fence();
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++)
+        mma<true, 128>(acc, a[ch][0], a[ch][1], a[ch][2], a[ch][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+      wg_commit();
+    };
+    auto retire = [&]() {
+      wg_wait<0>();
+      fence_acc(acc);
+    };
+    auto release = [&]() { /* as in consume: every thread, after a proxy fence */
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      mbar_arrive(&empty[stage]);
+      if (++stage == S::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+    mbar_wait(&full[stage], phase);
+    fetch(stage);
+#pragma unroll
+    for (int ch = 0; ch < 4; ch++) decode(ch);
+    sw[0] = swn[0];
+    sw[1] = swn[1];
+#pragma unroll 1
+    for (int kb = 0; kb + 1 < KB; kb++) {
+      issue();
+      const int next = stage + 1 == S::kStages ? 0 : stage + 1;
+      mbar_wait(&full[next], next == 0 ? phase ^ 1 : phase);
+      retire();
+      fetch(next);
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++) { /* one stretch: the compiler interleaves them */
+        promote(ch);
+        decode(ch);
+      }
+      release();
+      sw[0] = swn[0];
+      sw[1] = swn[1];
+    }
+    issue();
+    retire();
+#pragma unroll
+    for (int part = 0; part < 4; part++) promote(part);
+    release();
+  }
+
   /* One work unit of consumer warpgroup c with a BN-wide token tile: per
    * half (one unless kWide), the K loop over its stages, then the epilogue. */
   template <int BN>
@@ -524,176 +642,180 @@ struct Kern {
       };
       if (kEarly) load_factors();
 
-      /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
-       * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
-       * recomputed them from %tid at the top of every block; the empty asm
-       * keeps them in registers there: 2-7% faster at M = 256 and 512 in
-       * mode 1 (mode 3 unchanged). The other kernels keep their own address
-       * arithmetic (with the pinned form they were 1-3% slower, and the F16
-       * modes spilled). */
-      constexpr bool kPin = CPS == 2 && !C::kF16;
-      uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
-      uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * (C::kG32 ? 4 : 8);  /* scales */
-      uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
-      uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
-      /* the token column that sS points at */
-      const int col0 = kPin ? acc_col(0, q) : 0;
-      for (int kb = 0; kb < KB; kb++) {
-        if (kPin) asm volatile("" : "+r"(o_w), "+r"(o_s), "+r"(o_r), "+r"(o_x));
-        mbar_wait(&full[stage], phase);
-        const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (kPin ? 0 : (TPW * c) * C::kRec);
-        /* descriptor of the stage's token tile; steps add their byte offset
-         * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
-        const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
-        const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
-                               : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
-        /* token scales: read before the MMAs, except beside the 128-wide
-         * tile's accumulators (registers), where the promotion reads them */
-        constexpr bool kLateSx = BN == 128;
-        float sx[kLateSx ? 1 : NC];
-        auto token_scale = [&](int k) {
-          return token_factor(sS[acc_col(k, q) - col0]);
-        };
-        if (!kLateSx)
-#pragma unroll
-          for (int k = 0; k < NC; k++) sx[k] = token_scale(k);
-        uint32_t wd[TPW][8];
-        float sw[TPW][2];
-        uint32_t sb1[TPW][2];
-        uint2 sb2[TPW][2];
-#pragma unroll
-        for (int j = 0; j < TPW; j++) {
-          const uint8_t *R = sA + j * C::kRec;
-          const uint4 c0 = *(const uint4 *)(R + (kPin ? o_w : tid * 16)),
-                      c1 = *(const uint4 *)(R + (kPin ? o_w + 2048 : 2048 + tid * 16));
-          wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
-          wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
-#pragma unroll
-          for (int hh = 0; hh < 2; hh++) {
-            const int r = r0 + 8 * hh;
-            if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + (kPin ? o_s + 32 * hh : 4096 + r * 4));
-            else sb2[j][hh] = *(const uint2 *)(R + (kPin ? o_s + 64 * hh : 4096 + r * 8));
-            sw[j][hh] = MODE == 2 ? 1.0f
-                                  : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
-                                                                            : C::kRefOff + 2 * r)));
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        /* A registers: a chunk's stay untouched until its MMAs retire. The
-         * FP8 modes' 64-wide tiles give each of the block's 4 chunks its own
-         * buffer, so that no decode waits on an MMA inside the block (mode 1
-         * 2-5% faster, docs/PERF.md version 6). The others alternate two
-         * buffers: 16/32-wide tiles measured 1% slower with four, 128-wide
-         * ones no faster, and the F16 fragments (twice the registers)
-         * spilled. */
-        constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
-        uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
-#pragma unroll
-        for (int ch = 0; ch < 4; ch++) {
-          const int buf = ch % kBufs;
-          /* two buffers: chunk ch-2 has retired, its registers are free */
-          if (kBufs == 2 && ch >= 2) wg_wait<1>();
-#pragma unroll
+      if constexpr (kAhead && BN == 128) {
+        k_loop_ahead(p, sm, un, c, stage, phase, fin[0], acc[0]);
+      } else {
+        /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
+         * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
+         * recomputed them from %tid at the top of every block; the empty asm
+         * keeps them in registers there: 2-7% faster at M = 256 and 512 in
+         * mode 1 (mode 3 unchanged). The other kernels keep their own address
+         * arithmetic (with the pinned form they were 1-3% slower, and the F16
+         * modes spilled). */
+        constexpr bool kPin = CPS == 2 && !C::kF16;
+        uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
+        uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * (C::kG32 ? 4 : 8);  /* scales */
+        uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
+        uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
+        /* the token column that sS points at */
+        const int col0 = kPin ? acc_col(0, q) : 0;
+        for (int kb = 0; kb < KB; kb++) {
+          if (kPin) asm volatile("" : "+r"(o_w), "+r"(o_s), "+r"(o_r), "+r"(o_x));
+          mbar_wait(&full[stage], phase);
+          const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (kPin ? 0 : (TPW * c) * C::kRec);
+          /* descriptor of the stage's token tile; steps add their byte offset
+           * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
+          const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+          const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
+                                 : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
+          /* token scales: read before the MMAs, except beside the 128-wide
+           * tile's accumulators (registers), where the promotion reads them */
+          constexpr bool kLateSx = BN == 128;
+          float sx[kLateSx ? 1 : NC];
+          auto token_scale = [&](int k) {
+            return token_factor(sS[acc_col(k, q) - col0]);
+          };
+          if (!kLateSx)
+  #pragma unroll
+            for (int k = 0; k < NC; k++) sx[k] = token_scale(k);
+          uint32_t wd[TPW][8];
+          float sw[TPW][2];
+          uint32_t sb1[TPW][2];
+          uint2 sb2[TPW][2];
+  #pragma unroll
           for (int j = 0; j < TPW; j++) {
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-              if (MODE == 2) {
-                const uint32_t word = wd[j][2 * ch + rr];
-#pragma unroll
-                for (int ss = 0; ss < 2; ss++) {
-                  const int s = 2 * ch + ss;
-                  const uint32_t sbyte = ((s < 4 ? sb2[j][rr].x : sb2[j][rr].y) >> (8 * (s & 3))) & 0xFF;
-                  const uint32_t scl = e4m3_pair(sbyte);
-                  a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
-                  a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
-                }
-              } else {
-                const uint32_t word = wd[j][2 * ch + rr];
-                uint2 llo, lhi;
-                /* byte extract with one prmt (zero-filled from the 0 operand) */
-                if (C::kG32) {
-                  llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
+            const uint8_t *R = sA + j * C::kRec;
+            const uint4 c0 = *(const uint4 *)(R + (kPin ? o_w : tid * 16)),
+                        c1 = *(const uint4 *)(R + (kPin ? o_w + 2048 : 2048 + tid * 16));
+            wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
+            wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
+  #pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+              const int r = r0 + 8 * hh;
+              if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + (kPin ? o_s + 32 * hh : 4096 + r * 4));
+              else sb2[j][hh] = *(const uint2 *)(R + (kPin ? o_s + 64 * hh : 4096 + r * 8));
+              sw[j][hh] = MODE == 2 ? 1.0f
+                                    : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
+                                                                              : C::kRefOff + 2 * r)));
+            }
+          }
+  #pragma unroll
+          for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+          /* A registers: a chunk's stay untouched until its MMAs retire. The
+           * FP8 modes' 64-wide tiles give each of the block's 4 chunks its own
+           * buffer, so that no decode waits on an MMA inside the block (mode 1
+           * 2-5% faster, docs/PERF.md version 6). The others alternate two
+           * buffers: 16/32-wide tiles measured 1% slower with four, 128-wide
+           * ones no faster, and the F16 fragments (twice the registers)
+           * spilled. */
+          constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
+          uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
+  #pragma unroll
+          for (int ch = 0; ch < 4; ch++) {
+            const int buf = ch % kBufs;
+            /* two buffers: chunk ch-2 has retired, its registers are free */
+            if (kBufs == 2 && ch >= 2) wg_wait<1>();
+  #pragma unroll
+            for (int j = 0; j < TPW; j++) {
+  #pragma unroll
+              for (int rr = 0; rr < 2; rr++) {
+                if (MODE == 2) {
+                  const uint32_t word = wd[j][2 * ch + rr];
+  #pragma unroll
+                  for (int ss = 0; ss < 2; ss++) {
+                    const int s = 2 * ch + ss;
+                    const uint32_t sbyte = ((s < 4 ? sb2[j][rr].x : sb2[j][rr].y) >> (8 * (s & 3))) & 0xFF;
+                    const uint32_t scl = e4m3_pair(sbyte);
+                    a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
+                    a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
+                  }
                 } else {
-                  const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
-                  llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
-                  lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
-                }
-                const uint32_t sel = word & 0x77777777u;
-                const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
-                const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
-                if (MODE == 4) {
-                  /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
-                   * step ch splits into F16 register rr (+2) of the k16 steps
-                   * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
-                  a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
-                  a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
-                  a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
-                  a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
-                } else {
-                  a[buf][j][0][rr] = lo;
-                  a[buf][j][0][rr + 2] = hi;
+                  const uint32_t word = wd[j][2 * ch + rr];
+                  uint2 llo, lhi;
+                  /* byte extract with one prmt (zero-filled from the 0 operand) */
+                  if (C::kG32) {
+                    llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
+                  } else {
+                    const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
+                    llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+                    lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+                  }
+                  const uint32_t sel = word & 0x77777777u;
+                  const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
+                  const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+                  if (MODE == 4) {
+                    /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
+                     * step ch splits into F16 register rr (+2) of the k16 steps
+                     * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
+                    a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
+                    a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
+                    a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
+                    a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
+                  } else {
+                    a[buf][j][0][rr] = lo;
+                    a[buf][j][0][rr + 2] = hi;
+                  }
                 }
               }
             }
-          }
-          if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
-          wg_fence();
-          constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
-#pragma unroll
-          for (int j = 0; j < TPW; j++)
-#pragma unroll
-            for (int ss = 0; ss < kSteps; ss++) {
-              /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
-              const int s = kSteps * ch + ss;
-              const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
-              mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
-                                a[buf][j][ss][3], d, s > 0);
-            }
-          wg_commit();
-        }
-        if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
-        wg_wait<0>();
-#pragma unroll
-        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        if (kLateSx) { /* before the stage is handed back */
-          /* a lane's columns come in adjacent pairs (acc_col) */
-          if (kPairScales && !(un.tok0 & 1)) {
-#pragma unroll
-            for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
-              const float2 t = *(const float2 *)(sS + acc_col(2 * m, q) - col0);
-              const float tx = token_factor(t.x), ty = token_factor(t.y);
-#pragma unroll
-              for (int j = 0; j < TPW; j++)
-#pragma unroll
-                for (int i = 4 * m; i < 4 * m + 4; i++)
-                  fin[j][i] = fmaf(acc[j][i], ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1], fin[j][i]);
-            }
-          } else {
-#pragma unroll
+            if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
+            wg_fence();
+            constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
+  #pragma unroll
             for (int j = 0; j < TPW; j++)
-#pragma unroll
-              for (int i = 0; i < NR; i++) {
-                const int k = (i >> 2) * 2 + (i & 1);
-                fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+  #pragma unroll
+              for (int ss = 0; ss < kSteps; ss++) {
+                /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
+                const int s = kSteps * ch + ss;
+                const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
+                mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
+                                  a[buf][j][ss][3], d, s > 0);
               }
+            wg_commit();
           }
+          if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
+          wg_wait<0>();
+  #pragma unroll
+          for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+          if (kLateSx) { /* before the stage is handed back */
+            /* a lane's columns come in adjacent pairs (acc_col) */
+            if (kPairScales && !(un.tok0 & 1)) {
+  #pragma unroll
+              for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
+                const float2 t = *(const float2 *)(sS + acc_col(2 * m, q) - col0);
+                const float tx = token_factor(t.x), ty = token_factor(t.y);
+  #pragma unroll
+                for (int j = 0; j < TPW; j++)
+  #pragma unroll
+                  for (int i = 4 * m; i < 4 * m + 4; i++)
+                    fin[j][i] = fmaf(acc[j][i], ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1], fin[j][i]);
+              }
+            } else {
+  #pragma unroll
+              for (int j = 0; j < TPW; j++)
+  #pragma unroll
+                for (int i = 0; i < NR; i++) {
+                  const int k = (i >> 2) * 2 + (i & 1);
+                  fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+                }
+            }
+          }
+          /* every thread releases its own reads of the stage (an arrive
+           * releases only the arriving thread's accesses), after a proxy
+           * fence: the producer's next bulk copy (async proxy) overwrites it */
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          mbar_arrive(&empty[stage]);
+          if (++stage == S::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+          if (!kLateSx)
+  #pragma unroll
+            for (int j = 0; j < TPW; j++)
+  #pragma unroll
+              for (int i = 0; i < NR; i++)
+                fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
         }
-        /* every thread releases its own reads of the stage (an arrive
-         * releases only the arriving thread's accesses), after a proxy
-         * fence: the producer's next bulk copy (async proxy) overwrites it */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive(&empty[stage]);
-        if (++stage == S::kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-        if (!kLateSx)
-#pragma unroll
-          for (int j = 0; j < TPW; j++)
-#pragma unroll
-            for (int i = 0; i < NR; i++)
-              fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
       }
 
       /* ------------------------------------------------------ epilogue ---- */
