@@ -8,12 +8,14 @@
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
- *     [--profile-only]
+ *     [--profile-only] [--block-refs]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
  * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
  * --requant: a gran-16 checkpoint requantized to gran 32 (mode 1 or 4);
- * --profile-only: only the expert compute (for ncu / nsys), no baselines. */
+ * --profile-only: only the expert compute (for ncu / nsys), no baselines;
+ * --block-refs (modes 1, 4): every block keeps its rows' reference exponent
+ * (rows without the packer's row anchor) instead of reference 0 everywhere. */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -111,7 +113,7 @@ typedef struct {
 
 int main(int argc, char **argv) {
   int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
-  int profile_only = 0;
+  int profile_only = 0, block_refs = 0;
   mm_sm90_path path = MM_SM90_PATH_WGMMA;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
   for (int i = 1; i < argc; i++) {
@@ -124,6 +126,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--I")) I = atoi(v), i++;
     else if (!strcmp(a, "--iters")) iters = atoi(v), i++;
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
+    else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
     else if (!strcmp(a, "--M")) {
       nM = 0;
@@ -151,11 +154,12 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d\n", prop.name,
-         prop.multiProcessorCount, mode_name, E, H, I, iters);
+  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s\n", prop.name,
+         prop.multiProcessorCount, mode_name, E, H, I, iters,
+         block_refs ? "; per-block references" : "");
 
   mm_sm90_layer *L = NULL;
-  OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, st, &L));
+  OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));
   const double wbytes_all = (double)mm_sm90_layer_device_bytes(L);
 
   /* ceilings */

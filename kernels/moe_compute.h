@@ -92,10 +92,13 @@ double mm_sm90_layer_fold_error(const mm_sm90_layer *layer);
 mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *layer);
 
 /* Benchmarks: a layer of valid random records made on the device (no host
- * packing), same layout and kernels as a real one. */
+ * packing), same layout and kernels as a real one. Modes 1 and 4: each row's
+ * groups share one reference exponent, which the packer moves into the row
+ * factor (reference 0 in every block, its row anchor); block_refs keeps it
+ * in every block instead, as for rows whose blocks need their own. */
 mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
-                                    mm_weight_mode mode, uint64_t seed, void *stream,
-                                    mm_sm90_layer **out);
+                                    mm_weight_mode mode, uint64_t seed, int block_refs,
+                                    void *stream, mm_sm90_layer **out);
 /* Tests: copies the intermediate of the last compute that used `workspace`
  * (rows [0, rows)) to the host as FP8 E4M3 bytes [rows, I] and FP32 scales
  * [rows, I/128]. Synchronous. */

@@ -29,6 +29,42 @@ static mm_sm90_layer *layer_new(mm_weight_mode mode, int num_local, int H, int I
   return L;
 }
 
+/* One block per 64-row tile of the layer (w13 tiles of every expert, then
+ * w2's): zero[0] (w13) / zero[1] (w2) are cleared if a reference exponent of
+ * the tile is not 0. All 0 (mode 1's row anchor put each row's into its row
+ * factor): the WGMMA path runs kernels without the reference multiply.
+ * Modes without references: cleared. */
+__global__ void zero_refs(const uint8_t *w, size_t expert_bytes, size_t w13_bytes, int t13, int t2,
+                          int kb13, int kb2, size_t rec, int has_ref, size_t ref_off, int *zero) {
+  const int t = blockIdx.x, per = t13 + t2, e = t / per, i = t % per, lr = threadIdx.x;
+  const bool w2 = i >= t13;
+  const int tile = w2 ? i - t13 : i, KB = w2 ? kb2 : kb13;
+  const uint8_t *R = w + (size_t)e * expert_bytes + (w2 ? w13_bytes : 0) + (size_t)tile * KB * rec;
+  bool z = has_ref;
+  for (int kb = 0; kb < KB && z; kb++) z = *(const int16_t *)(R + (size_t)kb * rec + ref_off + 2 * lr) == 0;
+  if (!__syncthreads_and(z) && lr == 0) atomicAnd(&zero[w2], 0);
+}
+/* L->refs_zero13 / refs_zero2 from the uploaded records (zero_refs);
+ * synchronizes st. */
+static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
+  const int t13 = 2 * L->I / 64, t2 = L->H / 64, ones[2] = {1, 1};
+  int *d = NULL, got[2] = {0, 0};
+  cudaError_t ce = cudaMalloc((void **)&d, sizeof(ones));
+  if (ce == cudaSuccess) ce = cudaMemcpyAsync(d, ones, sizeof(ones), cudaMemcpyHostToDevice, st);
+  if (ce == cudaSuccess) {
+    zero_refs<<<(unsigned)(L->E * (t13 + t2)), 64, 0, st>>>(
+        L->d_w, L->expert_bytes, L->w13_bytes, t13, t2, L->H / 128, L->I / 128, L->rec,
+        mm_sm90_has_ref(L->mode), mm_sm90_ref_offset(L->mode), d);
+    ce = cudaGetLastError();
+  }
+  if (ce == cudaSuccess) ce = cudaMemcpyAsync(got, d, sizeof(got), cudaMemcpyDeviceToHost, st);
+  if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+  cudaFree(d);
+  L->refs_zero13 = got[0];
+  L->refs_zero2 = got[1];
+  return ce;
+}
+
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                                         mm_weight_mode mode, void *stream,
                                         mm_sm90_layer **out) {
@@ -130,7 +166,7 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
   }
   /* Same stream: this also waits for the weight uploads. */
   ce = cudaMemcpyAsync(L->d_rs13, hrs, sizeof(float) * rs_count, cudaMemcpyHostToDevice, st);
-  if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+  if (ce == cudaSuccess) ce = refs_zero(L, st);
   if (ce != cudaSuccess) {
     err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of row factors failed: %s",
                    cudaGetErrorString(ce));
@@ -401,7 +437,8 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
 
 /* Valid random records: random codes, scale bytes / fold indices of the
  * mode's usual range, reference exponents that keep outputs O(1). */
-__global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, uint64_t seed) {
+__global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, uint64_t seed,
+                               int16_t ref) {
   const int G = mode == 1 || mode == 4 ? 4 : 8;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < bytes / 2;
        i += (size_t)gridDim.x * blockDim.x) {
@@ -423,9 +460,8 @@ __global__ void random_records(uint8_t *w, size_t bytes, size_t rec, int mode, u
         v1 = (uint8_t)MM_SM90_LUT_INDEX(2 + (int)((r >> 8) % 4), (int)((r >> 12) & 7));
       }
     } else { /* int16 reference exponent */
-      const int16_t e = -12;
-      memcpy(&v0, &e, 1);
-      v1 = (uint8_t)((uint16_t)e >> 8);
+      memcpy(&v0, &ref, 1);
+      v1 = (uint8_t)((uint16_t)ref >> 8);
     }
     w[b] = v0;
     w[b + 1] = v1;
@@ -439,7 +475,7 @@ __global__ void fill_f32(float *p, size_t n, float v) {
 }
 
 extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_weight_mode mode,
-                                               uint64_t seed, void *stream,
+                                               uint64_t seed, int block_refs, void *stream,
                                                mm_sm90_layer **out) {
   *out = NULL;
   MM_ARG_CHECK(num_local > 0 && H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0,
@@ -459,11 +495,16 @@ extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_w
   if (ce == cudaSuccess) {
     L->d_rs2 = L->d_rs13 + (size_t)num_local * (size_t)(2 * I);
     L->device_bytes = wbytes + sizeof(float) * rs_count + sizeof(lut);
-    random_records<<<1024, 256, 0, st>>>(L->d_w, wbytes, L->rec, (int)mode, seed);
-    fill_f32<<<256, 256, 0, st>>>(L->d_rs13, rs_count, mode == 2 ? 1e-3f : 0.05f);
+    /* references 2^-12 (outputs O(1)): in every block, or (modes 1 and 4,
+     * row anchor) in the row factor */
+    const bool anchor = (mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G32_F16_EXACT) && !block_refs;
+    random_records<<<1024, 256, 0, st>>>(L->d_w, wbytes, L->rec, (int)mode, seed,
+                                         (int16_t)(anchor ? 0 : -12));
+    fill_f32<<<256, 256, 0, st>>>(L->d_rs13, rs_count,
+                                  mode == 2 ? 1e-3f : anchor ? 0.05f * 0x1p-12f : 0.05f);
     ce = cudaGetLastError();
   }
-  if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+  if (ce == cudaSuccess) ce = refs_zero(L, st);
   if (ce != cudaSuccess) {
     mm_sm90_layer_destroy(L);
     return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 random layer (%zu bytes): %s", wbytes,

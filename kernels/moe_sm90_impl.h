@@ -21,6 +21,8 @@ struct mm_sm90_layer {
   float *d_rs13;       /* [E][2I] row factors in layout row order */
   float *d_rs2;        /* [E][H] */
   uint8_t *d_lut;      /* [MM_SM90_LUT_ENTRIES][8] */
+  int refs_zero13;     /* every reference exponent of w13 is 0 (zero_refs) */
+  int refs_zero2;      /* of w2 */
   size_t device_bytes;
   double fold_rel;     /* mode 3 relative Frobenius fold error */
 };

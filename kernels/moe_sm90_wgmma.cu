@@ -369,8 +369,13 @@ __device__ __forceinline__ float pow2_exact(int e) {
 /* The kernel's two roles, warp-specialized: a producer warpgroup (one thread
  * issues the copies) and the consumer warpgroups. BS: the token tile of
  * small experts; kMixed adds 64-wide tiles for the others (one CTA per SM
- * only: the 64-wide accumulators do not fit two CTAs' registers). */
-template <int MODE, int GEMM, int BS, int CPS>
+ * only: the 64-wide accumulators do not fit two CTAs' registers). ONE
+ * (mode 1, 128-wide tiles): every reference exponent of the matrix is 0 (the
+ * packer's row anchor moved each row's into its row factor), so the
+ * decode-ahead promotion skips the reference multiply. A kernel of its own
+ * rather than a branch per tile: two copies of the K loop in one kernel ran
+ * the per-block-reference copy 4-7% slower (docs/PERF.md, version 7). */
+template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
   static constexpr int kBNMax = kMixed ? 64 : BS;
@@ -490,7 +495,10 @@ struct Kern {
    * loads (ALU pipe, shared memory) overlap the promotion's FMAs; block
    * kb + 1's four MMAs then issue together from four ready A buffers.
    * Measured 3-5% faster than decoding each chunk before its MMA (docs/PERF.md,
-   * version 7). fin / acc: the tile's promoted and block accumulators. */
+   * version 7). fin / acc: the tile's promoted and block accumulators.
+   * kOne: every reference of the matrix is 0 (Kern's ONE), so the promotion
+   * skips the reference multiply (x * 1.0f == x: the same sums bit for bit). */
+  template <bool kOne>
   static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
                                                       int c, int &stage, uint32_t &phase,
                                                       float (&fin)[64], float (&acc)[64]) {
@@ -504,7 +512,7 @@ struct Kern {
     uint32_t a[4][4];      /* A fragments: [chunk][register] */
     uint32_t wd[8];        /* the next block's code words */
     uint2 tl[4][2][2];     /* its fold-table entries: [chunk][row][lo / hi] */
-    float sw[2], swn[2];   /* weight references: the block in flight, the next */
+    float sw[2] = {1.0f, 1.0f}, swn[2] = {1.0f, 1.0f}; /* references: in flight, next */
     auto fetch = [&](int st) {
       const uint8_t *R = sm + S::kOffA + st * C::kA + c * C::kRec;
       const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
@@ -526,7 +534,7 @@ struct Kern {
             tl[ch][hh][1] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
           }
         }
-        swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+        if (!kOne) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
       }
     };
     auto decode = [&](int ch) {
@@ -543,7 +551,8 @@ struct Kern {
 #pragma unroll
       for (int ii = 0; ii < 16; ii++) {
         const int i = 16 * part + ii, k = (i >> 2) * 2 + (i & 1);
-        fin[i] = fmaf(acc[i], token_factor(sS[acc_col(k, q)]) * sw[(i >> 1) & 1], fin[i]);
+        const float t = token_factor(sS[acc_col(k, q)]);
+        fin[i] = fmaf(acc[i], kOne ? t : t * sw[(i >> 1) & 1], fin[i]);
       }
     };
     auto issue = [&]() { /* the block's 4 chunks, 4 MMAs */
@@ -643,7 +652,7 @@ struct Kern {
       if (kEarly) load_factors();
 
       if constexpr (kAhead && BN == 128) {
-        k_loop_ahead(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        k_loop_ahead<ONE>(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else {
         /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
          * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
@@ -931,12 +940,12 @@ struct Kern {
 
 /* tmB / tmS: token tile and scale maps of the BS-wide tiles; tmBL / tmSL:
  * of the 64-wide ones (mixed tiles only). */
-template <int MODE, int GEMM, int BS, int CPS>
+template <int MODE, int GEMM, int BS, int CPS, bool ONE>
 __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
               const __grid_constant__ CUtensorMap tmS, const __grid_constant__ CUtensorMap tmBL,
               const __grid_constant__ CUtensorMap tmSL) {
-  using K = Kern<MODE, GEMM, BS, CPS>;
+  using K = Kern<MODE, GEMM, BS, CPS, ONE>;
   using S = typename K::S;
   using W = Warps<CPS>;
   constexpr bool kMixed = K::kMixed;
@@ -1118,14 +1127,14 @@ struct Overrides {
   int max_ctas;     /* tests: at most this many CTAs per launch (0: no cap) */
 };
 
-template <int MODE, int GEMM, int BS, int CPS>
+template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st) {
-  using S = typename Kern<MODE, GEMM, BS, CPS>::S;
+  using S = typename Kern<MODE, GEMM, BS, CPS, ONE>::S;
   static std::atomic<uint64_t> done{0}; /* one bit per device */
   const int dev = current_device();
   const uint64_t bit = dev < kMaxDevices ? 1ull << dev : 0;
   if (!(done.load() & bit) || !bit) {
-    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, CPS>,
+    MM_CUDA_TRY(cudaFuncSetAttribute(wg_kernel<MODE, GEMM, BS, CPS, ONE>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes));
     done.fetch_or(bit);
   }
@@ -1142,7 +1151,7 @@ mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st
   cfg.stream = st;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, CPS>, p, m.b, m.s, m.bl, m.sl));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, CPS, ONE>, p, m.b, m.s, m.bl, m.sl));
   return NULL;
 }
 
@@ -1209,13 +1218,22 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, o.max_ctas, st)));
+  /* mode 1, 128-wide tiles: the kernels without the reference multiply
+   * where every reference of the matrix is 0 (Kern's ONE) */
+  constexpr bool kOneKernels = MODE == 1 && BS == 128;
+  if (kOneKernels && L->refs_zero13)
+    MM_TRY((launch<MODE, 1, BS, CPS, kOneKernels>(p, m1, o.max_ctas, st)));
+  else
+    MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, o.max_ctas, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, o.max_ctas, st)));
+  if (kOneKernels && L->refs_zero2)
+    MM_TRY((launch<MODE, 2, BS, CPS, kOneKernels>(p, m2, o.max_ctas, st)));
+  else
+    MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, o.max_ctas, st)));
   return NULL;
 }
 

@@ -40,6 +40,54 @@ static int group_nonzero(const mm_qmat *m, int r, int gi) {
   return 0;
 }
 
+/* Mode 1: the smallest reference exponent of K block kb of source row r for
+ * which every nonzero group folds exactly (the largest anchor shift s_top);
+ * returns 1 with *ref, 0 when the block has no nonzero group, -1 when no
+ * shift folds every group. */
+static int g32_block_ref(const mm_qmat *m, const uint8_t lut[][8], int r, int kb, int *ref) {
+  const uint8_t *sc = m->scales + (size_t)r * (size_t)(m->cols / 32);
+  int emax = -1;
+  for (int gi = kb * 4; gi < kb * 4 + 4; gi++)
+    if (group_nonzero(m, r, gi) && sc[gi] > emax) emax = sc[gi];
+  if (emax < 0) return 0;
+  for (int s = MM_SM90_LUT_KMAX; s >= 0; s--) {
+    int ok = 1;
+    for (int gi = kb * 4; gi < kb * 4 + 4 && ok; gi++)
+      if (group_nonzero(m, r, gi)) ok = g32_group_exact(m, lut, r, gi, s - (emax - sc[gi]));
+    if (ok) {
+      *ref = (emax - 127) - s;
+      return 1;
+    }
+  }
+  return -1;
+}
+
+/* Mode 1 row anchor: one reference exponent for all K blocks of source row
+ * r, the largest of the blocks' own (so the smallest that can serve them
+ * all), if every nonzero group of the row folds exactly relative to it and
+ * the row factor times 2^ref is exact in FP32. The row factor then carries
+ * 2^ref and every block's stored reference is 0, which lets the kernels
+ * skip the per-block reference multiply. Returns 1 with *R, else 0 (the
+ * blocks keep their own references). */
+static int g32_row_anchor(const mm_qmat *m, const uint8_t lut[][8], int r, int *R) {
+  const uint8_t *sc = m->scales + (size_t)r * (size_t)(m->cols / 32);
+  for (int gi = 0; gi < m->cols / 32; gi++)
+    if (sc[gi] == 0xFF) return 0; /* NaN: the per-block path reports it */
+  int best = 0, any = 0;
+  for (int kb = 0; kb < m->cols / 128; kb++) {
+    int ref, st = g32_block_ref(m, lut, r, kb, &ref);
+    if (st < 0) return 0;
+    if (st > 0 && (!any || ref > best)) best = ref;
+    any |= st > 0;
+  }
+  for (int gi = 0; gi < m->cols / 32; gi++)
+    if (group_nonzero(m, r, gi) && !g32_group_exact(m, lut, r, gi, sc[gi] - 127 - best)) return 0;
+  const float rs = m->row_scale[r], f = ldexpf(rs, best);
+  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  *R = best;
+  return 1;
+}
+
 typedef struct {
   const mm_qmat *m;
   mm_weight_mode mode;
@@ -61,6 +109,11 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
   const size_t rec = mm_sm90_record_bytes(mode);
   for (size_t t = begin; t < end; t++) {
     double e2 = 0.0, r2 = 0.0;
+    int anchored[64], anchor[64]; /* mode 1: g32_row_anchor of each row */
+    for (int lr = 0; lr < 64; lr++) {
+      const int src = mm_sm90_src_row((int)t * 64 + lr, m->rows, j->gate_up);
+      anchored[lr] = mode == MM_WMODE_G32_FP8 && g32_row_anchor(m, (const uint8_t(*)[8])j->lut, src, &anchor[lr]);
+    }
     for (int kb = 0; kb < KB; kb++) {
       uint8_t *R = j->dst + (t * (size_t)KB + (size_t)kb) * rec;
       memset(R, 0, rec);
@@ -69,7 +122,8 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
       for (int lr = 0; lr < 64; lr++) {
         const int r = (int)t * 64 + lr;
         const int src = mm_sm90_src_row(r, m->rows, j->gate_up);
-        if (kb == 0) j->row_scale[r] = m->row_scale[src];
+        if (kb == 0)
+          j->row_scale[r] = anchored[lr] ? ldexpf(m->row_scale[src], anchor[lr]) : m->row_scale[src];
         uint8_t flip[8] = {0}; /* per group: negate codes (negative E4M3 scale, mode 3) */
         ref[lr] = 0;
         if (mode == MM_WMODE_G16_BF16_EXACT) {
@@ -81,6 +135,14 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
               return;
             }
             sc[lr * 8 + g] = b;
+          }
+        } else if (mode == MM_WMODE_G32_FP8 && anchored[lr]) {
+          for (int g = 0; g < 4; g++) { /* reference 0: 2^anchor is in the row factor */
+            int gi = kb * 4 + g;
+            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
+            sc[lr * 4 + g] = group_nonzero(m, src, gi)
+                                 ? (uint8_t)MM_SM90_LUT_INDEX(b - 127 - anchor[lr], 0)
+                                 : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
           }
         } else if (mode == MM_WMODE_G32_FP8) {
           int emax = -1;

@@ -206,6 +206,10 @@ void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
  * 2 / 3 gran 16 E4M3.
  * Mode 1 is exact or fails (naming row and K-block) when a 128-column block
  * of a row holds groups whose exponents are too far apart for one FP8 fold.
+ * Mode 1's row anchor: a row whose groups all fold against one reference
+ * exponent R (and whose factor times 2^R is exact in FP32) gets reference 0
+ * in every block and row factor = source factor * 2^R; other rows keep a
+ * reference per block and the source factor.
  * If fold_err is not NULL it receives, for mode 3, sum (w_folded - w)^2 and
  * sum w^2 over the matrix (mode 1/2: the same sums, which are 0 / exact). */
 /* The shape/format checks of the packers (same messages for every path). */

@@ -23,6 +23,7 @@
 #define KRANGE (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1)
 
 static const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+static const char kOutOfMemory[] = "out of host memory";
 
 typedef struct pack_tables {
   mm_weight_mode mode;
@@ -102,36 +103,84 @@ static int build_tables(pack_tables *T, mm_weight_mode mode) {
 
 /* ---- one record ------------------------------------------------------------ */
 
-/* Mode 1 scales of one row of a record (4 groups of 32): the reference's
- * anchor search. Returns 0, or -1 with msg set. */
-static int row_scales_g32(const pack_tables *T, const uint8_t *s, const uint8_t *codes, int src,
-                          int kb, uint8_t *sc, int16_t *ref, char *msg) {
-  uint8_t nz[4];
+/* Mode 1: the nonzero magnitudes of each group of 32 of a row (bit c:
+ * magnitude c present). */
+static void g32_row_mags(const pack_tables *T, const uint8_t *codes, int groups, uint8_t *nz) {
+  for (int g = 0; g < groups; g++) {
+    uint8_t mask = 0;
+    for (int i = 0; i < 16; i++) mask |= T->mags[codes[16 * g + i]];
+    nz[g] = mask & 0xFE; /* zero not counted */
+  }
+}
+/* Mode 1: the largest exponent of a block row's nonzero groups (-1: none). */
+static int g32_block_emax(const uint8_t *s, const uint8_t nz[4]) {
   int emax = -1;
+  for (int g = 0; g < 4; g++)
+    if (nz[g] && s[g] > emax) emax = s[g];
+  return emax;
+}
+/* Mode 1: does group magnitude set nz fold exactly at shift k? */
+static int g32_exact(const pack_tables *T, uint8_t nz, int k) {
+  return k >= MM_SM90_LUT_KMIN && k <= MM_SM90_LUT_KMAX && !(nz & ~T->exact[k - MM_SM90_LUT_KMIN]);
+}
+/* Mode 1: the reference's anchor search of one block row: the largest shift
+ * s_top in [0, KMAX] folding every nonzero group exactly, or 99 if none. */
+static int g32_block_stop(const pack_tables *T, const uint8_t *s, const uint8_t nz[4], int emax) {
+  for (int st = MM_SM90_LUT_KMAX; st >= 0; st--) {
+    int ok = 1;
+    for (int g = 0; g < 4 && ok; g++)
+      if (nz[g]) ok = g32_exact(T, nz[g], st - (emax - s[g]));
+    if (ok) return st;
+  }
+  return 99;
+}
+
+/* Mode 1 row anchor (the reference's g32_row_anchor): one reference
+ * exponent for all K blocks of source row src, carried by the row factor.
+ * Returns 1 with *R, else 0. */
+static int g32_row_anchor(const pack_tables *T, const mm_qmat *m, int src, const uint8_t *nz,
+                          uint8_t *stops, int *R) {
+  const uint8_t *s = m->scales + (size_t)src * (size_t)(m->cols / 32);
+  const int KB = m->cols / 128;
+  int best = 0, any = 0, ok = 1;
+  for (int kb = 0; kb < KB; kb++) { /* every block's search, kept for its record */
+    const int emax = g32_block_emax(s + 4 * kb, nz + 4 * kb);
+    stops[kb] = (uint8_t)(emax < 0 ? 0 : g32_block_stop(T, s + 4 * kb, nz + 4 * kb, emax));
+    if (emax < 0) continue;
+    if (stops[kb] == 99) ok = 0;
+    const int ref = (emax - 127) - stops[kb];
+    if (!any || ref > best) best = ref;
+    any = 1;
+  }
+  for (int gi = 0; gi < 4 * KB && ok; gi++)
+    if (s[gi] == 0xFF) ok = 0;
+  if (!ok) return 0;
+  for (int gi = 0; gi < 4 * KB; gi++)
+    if (nz[gi] && !g32_exact(T, nz[gi], s[gi] - 127 - best)) return 0;
+  const float rs = m->row_scale[src], f = ldexpf(rs, best);
+  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  *R = best;
+  return 1;
+}
+
+/* Mode 1 scales of one row of a record (4 groups of 32): the reference's
+ * anchor search, or with a row anchor (anchored) its folds against 2^R and
+ * reference 0. Returns 0, or -1 with msg set. */
+static int row_scales_g32(const uint8_t *s, const uint8_t nz[4], int stop, int src, int kb,
+                          int anchored, int R, uint8_t *sc, int16_t *ref, char *msg) {
   for (int g = 0; g < 4; g++)
     if (s[g] == 0xFF) {
       snprintf(msg, 256, "row %d group %d: UE8M0 scale byte 0xFF is NaN", src, kb * 4 + g);
       return -1;
     }
-  for (int g = 0; g < 4; g++) {
-    uint8_t mask = 0;
-    for (int i = 0; i < 16; i++) mask |= T->mags[codes[16 * g + i]];
-    nz[g] = mask & 0xFE; /* magnitudes present, zero not counted */
-    if (nz[g] && s[g] > emax) emax = s[g];
-  }
-  int stop = 99;
+  const int emax = g32_block_emax(s, nz);
   *ref = 0;
+  if (anchored) {
+    for (int g = 0; g < 4; g++)
+      sc[g] = nz[g] ? (uint8_t)MM_SM90_LUT_INDEX(s[g] - 127 - R, 0) : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
+    return 0;
+  }
   if (emax >= 0) {
-    for (int st = MM_SM90_LUT_KMAX; st >= 0 && stop == 99; st--) {
-      int ok = 1;
-      for (int g = 0; g < 4 && ok; g++) {
-        if (!nz[g]) continue;
-        int k = st - (emax - s[g]);
-        ok = k >= MM_SM90_LUT_KMIN && k <= MM_SM90_LUT_KMAX &&
-             !(nz[g] & ~T->exact[k - MM_SM90_LUT_KMIN]);
-      }
-      if (ok) stop = st;
-    }
     if (stop == 99) {
       int emin = 255;
       for (int g = 0; g < 4; g++)
@@ -202,7 +251,9 @@ static void fold_error_row(const pack_tables *T, const uint8_t *codes, const uin
 
 /* Packs record (tile t, K-block kb) of m into R. Returns 0, or -1 with msg. */
 static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int t, int kb,
-                       uint8_t *R, float *row_scale, double *e2, double *r2, char *msg) {
+                       const uint8_t *nz, const uint8_t *stops, const int *anchored,
+                       const int *anchor, uint8_t *R, float *row_scale, double *e2, double *r2,
+                       char *msg) {
   const mm_weight_mode mode = T->mode;
   const size_t cb = (size_t)m->cols / 2, ng = (size_t)(m->cols / m->gran);
   const int G = mm_sm90_groups_per_row(mode);
@@ -212,7 +263,8 @@ static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int 
   for (int lr = 0; lr < 64; lr++) {
     const int r = 64 * t + lr;
     const int src = mm_sm90_src_row(r, m->rows, gate_up);
-    if (kb == 0) row_scale[r] = m->row_scale[src];
+    if (kb == 0)
+      row_scale[r] = anchored[lr] ? ldexpf(m->row_scale[src], anchor[lr]) : m->row_scale[src];
     const uint8_t *codes = m->codes + (size_t)src * cb + 64 * (size_t)kb;
     const uint8_t *s = m->scales + (size_t)src * ng + (size_t)(G * kb);
     uint8_t *row = in + 64 * lr;
@@ -228,7 +280,10 @@ static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int 
         sc[lr * 8 + g] = s[g];
       }
     } else if (mode == MM_WMODE_G32_FP8) {
-      if (row_scales_g32(T, s, codes, src, kb, sc + lr * 4, &ref[lr], msg)) return -1;
+      const int KB = m->cols / 128;
+      if (row_scales_g32(s, nz + (size_t)lr * ng + 4 * (size_t)kb, stops[lr * KB + kb], src, kb,
+                         anchored[lr], anchor[lr], sc + lr * 4, &ref[lr], msg))
+        return -1;
     } else {
       if (row_scales_g16_fp8(T, s, codes, src, kb, sc + lr * 8, &ref[lr], msg)) return -1;
       for (int g = 0; g < 8; g++) /* a negative scale negates the group's codes */
@@ -278,11 +333,30 @@ static void pack_item(void *ctx, size_t item) {
   const int KB = pm->m->cols / 128;
   const size_t rec = mm_sm90_record_bytes(p->T->mode);
   double e2 = 0.0, r2 = 0.0;
+  /* mode 1: the groups' magnitude sets of the tile's rows, once, and the
+   * row anchors from them */
+  const int g32 = p->T->mode == MM_WMODE_G32_FP8, ng = pm->m->cols / 32;
+  int anchored[64] = {0}, anchor[64];
+  uint8_t *nz = g32 ? malloc((size_t)64 * (size_t)(ng + KB)) : NULL;
+  uint8_t *stops = nz ? nz + 64 * (size_t)ng : NULL; /* [64][KB]: each block's anchor shift */
+  if (g32 && !nz) {
+    snprintf(p->msg[item], 256, "%s", kOutOfMemory);
+    return;
+  }
+  for (int lr = 0; g32 && lr < 64; lr++) {
+    const int src = mm_sm90_src_row(64 * t + lr, pm->m->rows, pm->gate_up);
+    g32_row_mags(p->T, pm->m->codes + (size_t)src * (size_t)(pm->m->cols / 2), ng, nz + (size_t)lr * ng);
+    anchored[lr] = g32_row_anchor(p->T, pm->m, src, nz + (size_t)lr * ng, stops + lr * KB, &anchor[lr]);
+  }
   for (int kb = 0; kb < KB; kb++) {
     uint8_t *R = pm->dst + ((size_t)t * (size_t)KB + (size_t)kb) * rec;
-    if (pack_record(p->T, pm->m, pm->gate_up, t, kb, R, pm->row_scale, &e2, &r2, p->msg[item]))
+    if (pack_record(p->T, pm->m, pm->gate_up, t, kb, nz, stops, anchored, anchor, R, pm->row_scale,
+                    &e2, &r2, p->msg[item])) {
+      free(nz);
       return;
+    }
   }
+  free(nz);
   p->err2[item] = e2;
   p->ref2[item] = r2;
 }
@@ -326,7 +400,9 @@ static mm_err *pack_mats(const pack_mat *mats, int n, mm_weight_mode mode, int t
     for (int t = 0; t < mats[i].m->rows / 64; t++) {
       size_t it = first_item[i] + (size_t)t;
       if (msg[it][0]) {
-        err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: %s", msg[it]);
+        const int oom = strcmp(msg[it], kOutOfMemory) == 0;
+        err = mm_error(oom ? MEGAMOE_CODE_RESOURCE_EXHAUSTED : MEGAMOE_CODE_INVALID_ARGUMENT,
+                       "sm90 layout: %s", msg[it]);
         *failed = i;
         break;
       }

@@ -18,16 +18,32 @@ static void rand_codes(mm_qmat *m) {
   for (size_t i = 0; i < (size_t)m->rows * m->cols / 2; i++) m->codes[i] = (uint8_t)mm_test_rand_u64();
 }
 
-/* Compares every layout weight with the canonical one; returns max |rel err|. */
+/* The power of two a layout row factor carries beyond the source row's
+ * (mode 1's row anchor; 0 otherwise): rs == row_scale * 2^R exactly, else
+ * a failed check and 0. */
+static int row_anchor_of(float rs, float row_scale) {
+  if (rs == row_scale) return 0;
+  int er, es;
+  frexpf(rs, &er);
+  frexpf(row_scale, &es);
+  CHECK(ldexpf(row_scale, er - es) == rs);
+  return ldexpf(row_scale, er - es) == rs ? er - es : 0;
+}
+
+/* Compares every layout weight with the canonical one (times the power of
+ * two the row factor took from it); returns max |rel err|. rs: the packer's
+ * row factors. */
 static double compare_all(const mm_qmat *m, mm_weight_mode mode, int gate_up, const uint8_t *blob,
-                          int *exact_fail) {
+                          const float *rs, int *exact_fail) {
   double worst = 0.0;
   *exact_fail = 0;
   for (int r = 0; r < m->rows; r++) {
     int src = mm_sm90_src_row(r, m->rows, gate_up);
+    const int R = row_anchor_of(rs[r], m->row_scale[src]);
+    if (mm_sm90_record_mode(mode) != MM_WMODE_G32_FP8) CHECK_EQ_INT(R, 0);
     for (int k = 0; k < m->cols; k++) {
       float w = mm_qmat_weight(m, src, k);
-      float v = mm_sm90_weight(blob, mode, m->rows, m->cols, r, k);
+      float v = ldexpf(mm_sm90_weight(blob, mode, m->rows, m->cols, r, k), R);
       if (v != w && !(v == 0.0f && w == 0.0f)) {
         if (*exact_fail < 3)
           printf("# mismatch mode %d row %d (src %d) k %d: %g vs %g\n", (int)mode, r, src, k, v,
@@ -44,7 +60,8 @@ static double compare_all(const mm_qmat *m, mm_weight_mode mode, int gate_up, co
 }
 
 /* Mode 4 = mode 1's records (sizes, bytes, row factors, decoded weights). */
-static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mode1) {
+static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mode1,
+                               const float *rs1) {
   const size_t bytes = mm_sm90_matrix_bytes(MM_WMODE_G32_F16_EXACT, m->rows, m->cols);
   CHECK(bytes == mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m->rows, m->cols));
   CHECK(mm_sm90_record_bytes(MM_WMODE_G32_F16_EXACT) == 4480);
@@ -53,9 +70,9 @@ static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mod
   memset(blob, 0x5A, bytes);
   CHECK_OK(mm_sm90_pack_matrix(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, rs, NULL));
   CHECK(memcmp(blob, mode1, bytes) == 0);
-  for (int r = 0; r < m->rows; r++) CHECK(rs[r] == m->row_scale[mm_sm90_src_row(r, m->rows, gate_up)]);
+  CHECK(memcmp(rs, rs1, sizeof(float) * (size_t)m->rows) == 0);
   int bad;
-  compare_all(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, &bad);
+  compare_all(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, rs, &bad);
   CHECK_EQ_INT(bad, 0);
   free(blob);
   free(rs);
@@ -84,12 +101,10 @@ static void test_g32_exact_random(void) {
       double fe[2];
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, fe));
       int bad;
-      compare_all(&m, MM_WMODE_G32_FP8, gate_up, blob, &bad);
+      compare_all(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, &bad);
       CHECK_EQ_INT(bad, 0);
       CHECK(fe[0] == 0.0);
-      for (int r = 0; r < m.rows; r++)
-        CHECK(rs[r] == m.row_scale[mm_sm90_src_row(r, m.rows, gate_up)]);
-      same_records_mode4(&m, gate_up, blob);
+      same_records_mode4(&m, gate_up, blob, rs);
       free(blob);
       free(rs);
       mm_qmat_free(&m);
@@ -112,9 +127,58 @@ static void test_g32_extremes(void) {
   float rs[64];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
   int bad;
-  compare_all(&m, MM_WMODE_G32_FP8, 0, blob, &bad);
+  compare_all(&m, MM_WMODE_G32_FP8, 0, blob, rs, &bad);
   CHECK_EQ_INT(bad, 0);
-  same_records_mode4(&m, 0, blob);
+  same_records_mode4(&m, 0, blob, rs);
+  free(blob);
+  mm_qmat_free(&m);
+}
+
+/* The row anchor (mode 1): rows whose groups all fold against one
+ * reference exponent store reference 0 in every block and carry 2^R in the
+ * row factor; rows that need per-block references, or whose row factor
+ * times 2^R would not be exact, keep their blocks' references. */
+static void test_g32_row_anchor(void) {
+  const int rows = 64, cols = 512, KB = cols / 128;
+  mm_qmat m;
+  CHECK(mm_qmat_alloc(&m, rows, cols, 32, MM_SF_UE8M0) == 0);
+  rand_codes(&m);
+  for (int r = 0; r < rows; r++) {
+    m.row_scale[r] = mm_test_uniform(0.5f, 2.0f);
+    /* r % 4: 0, 3 one row within 6 binades; 1 block 2 sixty binades below
+     * the others; 2 like 0, but the row factor times 2^R would overflow */
+    const int base = r % 4 == 2 ? 200 : 80 + (int)(mm_test_rand_u64() % 140);
+    if (r % 4 == 2) m.row_scale[r] = 3e38f;
+    for (int g = 0; g < cols / 32; g++) {
+      int b = base - (int)(mm_test_rand_u64() % 6);
+      if (r % 4 == 1 && g / 4 == 2) b -= 60;
+      m.scales[(size_t)r * (cols / 32) + g] = (uint8_t)b;
+    }
+  }
+  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, rows, cols));
+  float rs[64];
+  CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
+  int bad;
+  compare_all(&m, MM_WMODE_G32_FP8, 0, blob, rs, &bad);
+  CHECK_EQ_INT(bad, 0);
+  int anchored = 0, kept = 0;
+  for (int r = 0; r < rows; r++) {
+    int zero = 1;
+    for (int kb = 0; kb < KB; kb++) {
+      int16_t ref;
+      memcpy(&ref, blob + ((size_t)(r / 64) * KB + kb) * mm_sm90_record_bytes(MM_WMODE_G32_FP8) +
+                       mm_sm90_ref_offset(MM_WMODE_G32_FP8) + 2 * (r % 64), 2);
+      zero &= ref == 0;
+    }
+    const int expect = r % 4 == 0 || r % 4 == 3;
+    CHECK_EQ_INT(zero, expect);
+    if (!expect) CHECK(rs[r] == m.row_scale[r]);
+    anchored += zero;
+    kept += !zero && rs[r] == m.row_scale[r];
+  }
+  printf("# %d rows anchored, %d with per-block references\n", anchored, kept);
+  CHECK_EQ_INT(anchored + kept, rows);
+  same_records_mode4(&m, 0, blob, rs);
   free(blob);
   mm_qmat_free(&m);
 }
@@ -168,7 +232,7 @@ static void test_g16_modes(void) {
       double fe[2];
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, rs, fe));
       int bad;
-      compare_all(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, &bad);
+      compare_all(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, rs, &bad);
       CHECK_EQ_INT(bad, 0);
       CHECK(fe[0] == 0.0);
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_FP8, gate_up, blob, rs, fe));
@@ -179,7 +243,7 @@ static void test_g16_modes(void) {
        * unless the value underflows the window; Frobenius well under 5%. */
       CHECK(rel < 0.05);
       if (!all_bytes) {
-        double worst = compare_all(&m, MM_WMODE_G16_FP8, gate_up, blob, &bad);
+        double worst = compare_all(&m, MM_WMODE_G16_FP8, gate_up, blob, rs, &bad);
         CHECK(worst <= 1.0 / 16.0 + 1e-9);
       }
       free(blob);
@@ -329,6 +393,7 @@ int main(void) {
   RUN(test_weight_mode_selection);
   RUN(test_g32_exact_random);
   RUN(test_g32_extremes);
+  RUN(test_g32_row_anchor);
   RUN(test_g32_refuses_unfoldable);
   RUN(test_g16_modes);
   return mm_test_done();

@@ -41,14 +41,21 @@ static void rand_codes(mm_qmat *m) {
 }
 
 /* UE8M0 group-32 scales: per 128 columns a base exponent anywhere (0..254)
- * and groups up to `spread` below it (spread > 14 makes unfoldable blocks). */
+ * and groups up to `spread` below it (spread > 14 makes unfoldable blocks);
+ * a third of the rows keep one base for all their blocks (mode 1's row
+ * anchor), some of them with a row factor that 2^R would overflow. */
 static void rand_g32(mm_qmat *m, int spread) {
   rand_codes(m);
   for (int r = 0; r < m->rows; r++) {
-    m->row_scale[r] = mm_test_uniform(0.25f, 4.0f);
+    const uint64_t ur = mm_test_rand_u64();
+    m->row_scale[r] = ur % 7 == 0 ? 3e38f : mm_test_uniform(0.25f, 4.0f);
+    const int row_base = ur % 3 == 0 ? 14 + (int)((ur >> 8) % 241) : -1;
     for (int kb = 0; kb < m->cols / 128; kb++) {
       uint64_t u = mm_test_rand_u64();
-      int base = u % 11 == 0 ? 254 : u % 13 == 0 ? (int)(u >> 8) % 15 : 14 + (int)((u >> 8) % 241);
+      int base = row_base >= 0 ? row_base
+                 : u % 11 == 0 ? 254
+                 : u % 13 == 0 ? (int)(u >> 8) % 15
+                               : 14 + (int)((u >> 8) % 241);
       for (int g = 0; g < 4; g++) {
         int b = base - (int)(mm_test_rand_u64() % (uint64_t)(spread + 1));
         m->scales[(size_t)r * (size_t)(m->cols / 32) + (size_t)(kb * 4 + g)] =
