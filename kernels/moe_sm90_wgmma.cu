@@ -26,18 +26,24 @@
  * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
  * F16 ones load token-scale pairs (Kern::kPairScales). 128-wide tiles in the
  * FP8 modes decode one K block ahead (Kern::k_loop_ahead): block kb + 1's
- * decode runs beside block kb's promotion.
+ * decode runs beside block kb's promotion; in mode 1, matrices whose
+ * references are all 0 (the packer's row anchor) run kernels that promote
+ * without the reference multiply (Kern's ONE).
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
  * (version 3: ptxas serialized the WGMMAs, C7514; version 4, 16-wide tiles
  * with two accumulator sets: up to 11% slower), one FMA per promoted element
- * while a row keeps its reference exponent (no faster), fold-table loads
- * hoisted before the decode (no faster), two CTAs per SM with 32-wide tiles
- * (3-5% faster on even loads, slower skewed, still spills), separate decoder
- * warpgroups writing E4M3 tiles for SS WGMMAs (version 6: 12-57% slower, the
- * decoders the bottleneck; branch proto/decoder-warpgroups), a bank-conflict
- * swizzle of the fold table (one more instruction per lookup: 3-12% slower).
+ * while a row keeps its reference exponent (version 4, before decode ahead:
+ * no faster), fold-table loads hoisted before the decode (no faster), two
+ * CTAs per SM with 32-wide tiles (3-5% faster on even loads, slower skewed,
+ * still spills), separate decoder warpgroups writing E4M3 tiles for SS
+ * WGMMAs (version 6: 12-57% slower, at 128-wide tiles 13%; branch
+ * proto/decoder-warpgroups), a bank-conflict swizzle of the fold table (one
+ * more instruction per lookup: 3-12% slower), the decode's shifts and table
+ * addresses as IMADs on the FMA pipe (up to 7% slower), token-scale pairs
+ * in the decode-ahead loop (15-20% slower), both promotion forms in one
+ * kernel (the per-block one 4-7% slower: docs/PERF.md, version 7).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
