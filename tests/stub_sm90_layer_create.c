@@ -16,7 +16,10 @@
 #include "layout_sm90.h"
 /* as in kernels/moe_sm90_impl.h (C++ only) */
 struct mm_sm90_layer { mm_weight_mode mode; int E, H, I; size_t rec, w13_bytes, w2_bytes, expert_bytes;
-  uint8_t *d_w; float *d_rs13, *d_rs2; uint8_t *d_lut; size_t device_bytes; double fold_rel; };
+  uint8_t *d_w; float *d_rs13, *d_rs2; uint8_t *d_lut; int refs_zero13, refs_zero2; size_t device_bytes;
+  double fold_rel; };
+/* The zero_refs kernel launch is not stubbed (no GPU: it does not run); its
+ * result copy is, so refs_zero13 / refs_zero2 come back as their initial 1. */
 static int n_pinned, n_copies, n_events_rec, fail_pinned;
 cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); return *p ? cudaSuccess : cudaErrorMemoryAllocation; }
 cudaError_t cudaFree(void *p) { free(p); return cudaSuccess; }
