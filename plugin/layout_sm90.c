@@ -136,59 +136,37 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
             }
             sc[lr * 8 + g] = b;
           }
-        } else if (mode == MM_WMODE_G32_FP8 && anchored[lr]) {
-          for (int g = 0; g < 4; g++) { /* reference 0: 2^anchor is in the row factor */
-            int gi = kb * 4 + g;
-            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
-            sc[lr * 4 + g] = group_nonzero(m, src, gi)
-                                 ? (uint8_t)MM_SM90_LUT_INDEX(b - 127 - anchor[lr], 0)
-                                 : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
-          }
         } else if (mode == MM_WMODE_G32_FP8) {
-          int emax = -1;
-          for (int g = 0; g < 4; g++) {
-            int gi = kb * 4 + g;
-            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
-            if (b == 0xFF) {
+          const uint8_t *sr = m->scales + (size_t)src * (size_t)(m->cols / 32);
+          for (int gi = kb * 4; gi < kb * 4 + 4; gi++)
+            if (sr[gi] == 0xFF) {
               snprintf(j->msg[t], 256, "row %d group %d: UE8M0 scale byte 0xFF is NaN", src, gi);
               return;
             }
-            if (group_nonzero(m, src, gi) && b > emax) emax = b;
-          }
-          int stop = 99;
-          if (emax >= 0) {
-            /* Largest anchor shift for which every group folds exactly. */
-            for (int s = MM_SM90_LUT_KMAX; s >= 0 && stop == 99; s--) {
-              int ok = 1;
-              for (int g = 0; g < 4 && ok; g++) {
-                int gi = kb * 4 + g;
-                uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
-                if (group_nonzero(m, src, gi)) ok = g32_group_exact(m, (const uint8_t(*)[8])j->lut, src, gi, s - (emax - b));
+          /* the row's anchor (reference 0 here, 2^anchor in the row factor),
+           * else the block's own reference */
+          int bref = 0;
+          const int st = anchored[lr] ? 0 : g32_block_ref(m, (const uint8_t(*)[8])j->lut, src, kb, &bref);
+          if (st < 0) {
+            int emin = 255, emax = -1;
+            for (int gi = kb * 4; gi < kb * 4 + 4; gi++)
+              if (group_nonzero(m, src, gi)) {
+                if (sr[gi] < emin) emin = sr[gi];
+                if (sr[gi] > emax) emax = sr[gi];
               }
-              if (ok) stop = s;
-            }
-            if (stop == 99) {
-              int emin = 255;
-              for (int g = 0; g < 4; g++) {
-                int gi = kb * 4 + g;
-                uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
-                if (group_nonzero(m, src, gi) && b < emin) emin = b;
-              }
-              snprintf(j->msg[t], 256,
-                       "row %d columns %d..%d: UE8M0 group exponents 2^%d..2^%d are too far apart "
-                       "to fold exactly into FP8 E4M3 under one FP32 scale (2^%d apart at most "
-                       "per 128 columns guaranteed); requantize this tensor or use gran_k 16 bf16-exact",
-                       src, kb * 128, kb * 128 + 127, emin - 127, emax - 127,
-                       14);
-              return;
-            }
-            ref[lr] = (int16_t)((emax - 127) - stop);
+            snprintf(j->msg[t], 256,
+                     "row %d columns %d..%d: UE8M0 group exponents 2^%d..2^%d are too far apart "
+                     "to fold exactly into FP8 E4M3 under one FP32 scale (2^%d apart at most "
+                     "per 128 columns guaranteed); requantize this tensor or use gran_k 16 bf16-exact",
+                     src, kb * 128, kb * 128 + 127, emin - 127, emax - 127, 14);
+            return;
           }
-          for (int g = 0; g < 4; g++) {
-            int gi = kb * 4 + g;
-            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 32) + (size_t)gi];
-            sc[lr * 4 + g] = (emax >= 0 && group_nonzero(m, src, gi))
-                                 ? (uint8_t)MM_SM90_LUT_INDEX(stop - (emax - b), 0)
+          const int fold_ref = anchored[lr] ? anchor[lr] : bref; /* the weights' 2^ref */
+          ref[lr] = (int16_t)(anchored[lr] ? 0 : bref);
+          for (int g = 0; g < 4; g++) { /* the group's shift: e_g - 127 - ref */
+            const int gi = kb * 4 + g;
+            sc[lr * 4 + g] = group_nonzero(m, src, gi)
+                                 ? (uint8_t)MM_SM90_LUT_INDEX(sr[gi] - 127 - fold_ref, 0)
                                  : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
           }
         } else { /* mode 3: lossy fold relative to a power-of-two reference */
