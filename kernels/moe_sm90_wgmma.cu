@@ -500,7 +500,7 @@ struct Kern {
    * straight stretch of code, so that the decode's byte permutes and table
    * loads (ALU pipe, shared memory) overlap the promotion's FMAs; block
    * kb + 1's four MMAs then issue together from four ready A buffers.
-   * Measured 3-5% faster than decoding each chunk before its MMA (docs/PERF.md,
+   * Measured 2-4% faster than decoding each chunk before its MMA (docs/PERF.md,
    * version 7). fin / acc: the tile's promoted and block accumulators.
    * kOne: every reference of the matrix is 0 (Kern's ONE), so the promotion
    * skips the reference multiply (x * 1.0f == x: the same sums bit for bit). */
