@@ -26,9 +26,10 @@
  * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
  * F16 ones load token-scale pairs (Kern::kPairScales). 128-wide tiles in the
  * FP8 modes decode one K block ahead (Kern::k_loop_ahead): block kb + 1's
- * decode runs beside block kb's promotion; in mode 1, matrices whose
+ * decode runs beside block kb's promotion. In mode 1, matrices whose
  * references are all 0 (the packer's row anchor) run kernels that promote
- * without the reference multiply (Kern's ONE).
+ * without the reference multiply and its loads (Kern's ONE), at every tile
+ * width.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -376,11 +377,13 @@ __device__ __forceinline__ float pow2_exact(int e) {
  * issues the copies) and the consumer warpgroups. BS: the token tile of
  * small experts; kMixed adds 64-wide tiles for the others (one CTA per SM
  * only: the 64-wide accumulators do not fit two CTAs' registers). ONE
- * (mode 1, 128-wide tiles): every reference exponent of the matrix is 0 (the
- * packer's row anchor moved each row's into its row factor), so the
- * decode-ahead promotion skips the reference multiply. A kernel of its own
- * rather than a branch per tile: two copies of the K loop in one kernel ran
- * the per-block-reference copy 4-7% slower (docs/PERF.md, version 7). */
+ * (mode 1): every reference exponent of the matrix is 0 (the packer's row
+ * anchor moved each row's into its row factor), so the promotion skips the
+ * reference multiply, and the K loop the references' loads and powers of
+ * two. A kernel of its own rather than a branch per tile: two copies of the
+ * K loop in one kernel ran the per-block-reference copy 4-7% slower
+ * (docs/PERF.md, version 7). At 16-64-wide tiles ONE measured 2-8% faster
+ * (version 8), at 128-wide 8-10% (version 7). */
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
@@ -709,9 +712,9 @@ struct Kern {
               const int r = r0 + 8 * hh;
               if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + (kPin ? o_s + 32 * hh : 4096 + r * 4));
               else sb2[j][hh] = *(const uint2 *)(R + (kPin ? o_s + 64 * hh : 4096 + r * 8));
-              sw[j][hh] = MODE == 2 ? 1.0f
-                                    : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
-                                                                              : C::kRefOff + 2 * r)));
+              sw[j][hh] = MODE == 2 || ONE ? 1.0f
+                                           : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
+                                                                                     : C::kRefOff + 2 * r)));
             }
           }
   #pragma unroll
@@ -811,7 +814,7 @@ struct Kern {
   #pragma unroll
                 for (int i = 0; i < NR; i++) {
                   const int k = (i >> 2) * 2 + (i & 1);
-                  fin[j][i] = fmaf(acc[j][i], token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+                  fin[j][i] = fmaf(acc[j][i], ONE ? token_scale(k) : token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
                 }
             }
           }
@@ -829,7 +832,10 @@ struct Kern {
             for (int j = 0; j < TPW; j++)
   #pragma unroll
               for (int i = 0; i < NR; i++)
-                fin[j][i] = fmaf(acc[j][i], sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1], fin[j][i]);
+                fin[j][i] = fmaf(acc[j][i],
+                                 ONE ? sx[(i >> 2) * 2 + (i & 1)]
+                                     : sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1],
+                                 fin[j][i]);
         }
       }
 
@@ -1224,9 +1230,9 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  /* mode 1, 128-wide tiles: the kernels without the reference multiply
-   * where every reference of the matrix is 0 (Kern's ONE) */
-  constexpr bool kOneKernels = MODE == 1 && BS == 128;
+  /* mode 1: the kernels without the reference multiply where every
+   * reference of the matrix is 0 (Kern's ONE) */
+  constexpr bool kOneKernels = MODE == 1;
   if (kOneKernels && L->refs_zero13)
     MM_TRY((launch<MODE, 1, BS, CPS, kOneKernels>(p, m1, o.max_ctas, st)));
   else
