@@ -502,9 +502,11 @@ struct Kern {
    * records are fetched and decoded while block kb is promoted, in one
    * straight stretch of code, so that the decode's byte permutes and table
    * loads (ALU pipe, shared memory) overlap the promotion's FMAs; block
-   * kb + 1's four MMAs then issue together from four ready A buffers.
-   * Measured 2-4% faster than decoding each chunk before its MMA (docs/PERF.md,
-   * version 7). fin / acc: the tile's promoted and block accumulators.
+   * kb + 1's MMAs then issue together from four ready A buffers, in two
+   * groups (token columns 0-63, 64-127) so that the first half's promotion
+   * runs beside the second half's MMAs. Measured 2-4% faster than decoding
+   * each chunk before its MMA (docs/PERF.md, version 7), the halves 3-4% more
+   * (version 8). fin / acc: the tile's promoted and block accumulators.
    * kOne: every reference of the matrix is 0 (Kern's ONE), so the promotion
    * skips the reference multiply (x * 1.0f == x: the same sums bit for bit). */
   template <bool kOne>
@@ -564,14 +566,32 @@ struct Kern {
         fin[i] = fmaf(acc[i], kOne ? t : t * sw[(i >> 1) & 1], fin[i]);
       }
     };
-    auto issue = [&]() { /* the block's 4 chunks, 4 MMAs */
+    /* The block's MMAs in two groups, one per half of the token columns:
+     * registers [0, 32) of the m64n128 fragment hold columns [0, 64) and
+     * [32, 64) columns [64, 128), each as an m64n64 fragment. The first half
+     * is promoted while the second half's MMAs run, where the warps would
+     * otherwise wait for all of them: mode 1 3-4% faster (docs/PERF.md,
+     * version 8). */
+    float(&acc_lo)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
+    float(&acc_hi)[32] = *reinterpret_cast<float(*)[32]>(&acc[32]);
+    auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
       fence_acc(acc);
       wg_fence();
 #pragma unroll
       for (int ch = 0; ch < 4; ch++)
-        mma<true, 128>(acc, a[ch][0], a[ch][1], a[ch][2], a[ch][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+        mma<true, 64>(acc_lo, a[ch][0], a[ch][1], a[ch][2], a[ch][3], dB0 + (uint64_t)(ch * 2),
+                      ch > 0);
       wg_commit();
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++) /* token rows 64.. start 64 x 128 bytes in */
+        mma<true, 64>(acc_hi, a[ch][0], a[ch][1], a[ch][2], a[ch][3],
+                      dB0 + (uint64_t)((64 * 128) >> 4) + (uint64_t)(ch * 2), ch > 0);
+      wg_commit();
+    };
+    auto retire_lo = [&]() {
+      wg_wait<1>();
+      fence_acc(acc_lo);
     };
     auto retire = [&]() {
       wg_wait<0>();
@@ -596,13 +616,18 @@ struct Kern {
       issue();
       const int next = stage + 1 == S::kStages ? 0 : stage + 1;
       mbar_wait(&full[next], next == 0 ? phase ^ 1 : phase);
-      retire();
+      retire_lo();
       fetch(next);
-#pragma unroll
-      for (int ch = 0; ch < 4; ch++) { /* one stretch: the compiler interleaves them */
-        promote(ch);
-        decode(ch);
-      }
+      promote(0); /* beside the second half's MMAs */
+      promote(1);
+      retire();
+      /* the A registers are free: one stretch, the compiler interleaves them */
+      promote(2);
+      decode(0);
+      decode(1);
+      promote(3);
+      decode(2);
+      decode(3);
       release();
       sw[0] = swn[0];
       sw[1] = swn[1];
@@ -727,6 +752,12 @@ struct Kern {
            * ones no faster, and the F16 fragments (twice the registers)
            * spilled. */
           constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
+          /* Split (FP8 64-wide kernels, not the mixed ones' large tiles): the
+           * MMAs of tile 1 issue after all of tile 0's, in a group of their
+           * own, and tile 0 is promoted while they run, as the 128-wide loop
+           * does with its two column halves: 3% faster at M = 2048; in the
+           * mixed kernels 2% slower at M = 1024 (docs/PERF.md, version 8). */
+          constexpr bool kSplit = kBufs == 4 && TPW == 2 && BS == 64;
           uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
   #pragma unroll
           for (int ch = 0; ch < 4; ch++) {
@@ -780,7 +811,7 @@ struct Kern {
             wg_fence();
             constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
   #pragma unroll
-            for (int j = 0; j < TPW; j++)
+            for (int j = 0; j < (kSplit ? 1 : TPW); j++)
   #pragma unroll
               for (int ss = 0; ss < kSteps; ss++) {
                 /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
@@ -791,10 +822,28 @@ struct Kern {
               }
             wg_commit();
           }
+          if constexpr (kSplit) { /* tile 1: the chunks' buffers are all still live */
+            wg_fence();
+  #pragma unroll
+            for (int ch = 0; ch < 4; ch++)
+              mma<true, BN>(acc[1], a[ch][1][0][0], a[ch][1][0][1], a[ch][1][0][2], a[ch][1][0][3],
+                            dB0 + (uint64_t)(ch * 2), ch > 0);
+            wg_commit();
+          }
           if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
+          if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
+            wg_wait<1>();
+            fence_acc(acc[0]);
+  #pragma unroll
+            for (int i = 0; i < NR; i++)
+              fin[0][i] = fmaf(acc[0][i],
+                               ONE ? sx[(i >> 2) * 2 + (i & 1)]
+                                   : sx[(i >> 2) * 2 + (i & 1)] * sw[0][(i >> 1) & 1],
+                               fin[0][i]);
+          }
           wg_wait<0>();
   #pragma unroll
-          for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+          for (int j = kSplit ? 1 : 0; j < TPW; j++) fence_acc(acc[j]);
           if (kLateSx) { /* before the stage is handed back */
             /* a lane's columns come in adjacent pairs (acc_col) */
             if (kPairScales && !(un.tok0 & 1)) {
@@ -829,7 +878,7 @@ struct Kern {
           }
           if (!kLateSx)
   #pragma unroll
-            for (int j = 0; j < TPW; j++)
+            for (int j = kSplit ? 1 : 0; j < TPW; j++)
   #pragma unroll
               for (int i = 0; i < NR; i++)
                 fin[j][i] = fmaf(acc[j][i],
