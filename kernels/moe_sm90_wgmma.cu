@@ -793,13 +793,15 @@ struct Kern {
                   const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
                   const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
                   if (MODE == 4) {
-                    /* each E4M3 byte pair to an F16 pair: FP8 register rr (+2) of
-                     * step ch splits into F16 register rr (+2) of the k16 steps
-                     * 2ch, 2ch + 1 (mm_sm90_kperm_src order) */
-                    a[buf][j][0][rr] = e4m3x2_to_f16x2(lo & 0xFFFFu);
-                    a[buf][j][1][rr] = e4m3x2_to_f16x2(lo >> 16);
-                    a[buf][j][0][rr + 2] = e4m3x2_to_f16x2(hi & 0xFFFFu);
-                    a[buf][j][1][rr + 2] = e4m3x2_to_f16x2(hi >> 16);
+                    /* each byte pair to an F16 pair: mode 4's table holds F16
+                     * high bytes (the low bytes of its values are 0), so one
+                     * byte permute with zeros makes the pair. FP8 register rr
+                     * (+2) of step ch splits into F16 register rr (+2) of the
+                     * k16 steps 2ch, 2ch + 1 (mm_sm90_kperm_src order). */
+                    a[buf][j][0][rr] = prmt(lo, 0, 0x1404);
+                    a[buf][j][1][rr] = prmt(lo, 0, 0x3424);
+                    a[buf][j][0][rr + 2] = prmt(hi, 0, 0x1404);
+                    a[buf][j][1][rr + 2] = prmt(hi, 0, 0x3424);
                   } else {
                     a[buf][j][0][rr] = lo;
                     a[buf][j][0][rr + 2] = hi;
@@ -855,7 +857,9 @@ struct Kern {
                 for (int j = 0; j < TPW; j++)
   #pragma unroll
                   for (int i = 4 * m; i < 4 * m + 4; i++)
-                    fin[j][i] = fmaf(acc[j][i], ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1], fin[j][i]);
+                    fin[j][i] = fmaf(acc[j][i],
+                                    ONE ? ((i & 1) ? ty : tx) : ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1],
+                                    fin[j][i]);
               }
             } else {
   #pragma unroll
@@ -1051,8 +1055,13 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     if (lane == 0) sched[E] = carry;
   }
   if (MODE != 2) /* fold table: modes 1, 3, 4 */
-    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads)
-      ((uint32_t *)(sm + S::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
+    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads) {
+      uint32_t v = ((const uint32_t *)p.lut)[i];
+      /* mode 4: each entry, an E4M3 e2m1 * 2^s with at most one mantissa
+       * bit, as the high byte of its F16 (exact; the low byte is 0) */
+      if (MODE == 4) v = prmt(e4m3x2_to_f16x2(v & 0xFFFFu), e4m3x2_to_f16x2(v >> 16), 0x7531);
+      ((uint32_t *)(sm + S::kOffLut))[i] = v;
+    }
   __syncthreads();
 
   if (wg == 0) { /* ------------------------------------ producer ---- */
@@ -1279,9 +1288,9 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  /* mode 1: the kernels without the reference multiply where every
-   * reference of the matrix is 0 (Kern's ONE) */
-  constexpr bool kOneKernels = MODE == 1;
+  /* modes 1 and 4 (mode 1's records): the kernels without the reference
+   * multiply where every reference of the matrix is 0 (Kern's ONE) */
+  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
   if (kOneKernels && L->refs_zero13)
     MM_TRY((launch<MODE, 1, BS, CPS, kOneKernels>(p, m1, o.max_ctas, st)));
   else
