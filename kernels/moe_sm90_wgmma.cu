@@ -44,16 +44,25 @@
  * more instruction per lookup: 3-12% slower), the decode's shifts and table
  * addresses as IMADs on the FMA pipe (up to 7% slower), token-scale pairs
  * in the decode-ahead loop (15-20% slower), both promotion forms in one
- * kernel (the per-block one 4-7% slower: docs/PERF.md, version 7).
+ * kernel (the per-block one 4-7% slower: docs/PERF.md, version 7), token
+ * scales as 16-byte loads from a permuted layout (7% slower at 128-wide),
+ * the next block's inputs fetched during the MMAs at 16-64-wide tiles
+ * (mixed), four column quarters instead of halves in the 128-wide loop
+ * (4-7% slower), a second A buffer set there (no faster), 32-wide tiles
+ * split like the 64-wide ones (3-7% slower), two CTAs per SM in the F16
+ * modes (3-6% faster even, 12-17% slower skewed; version 8).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
  * acc * token_scale * 2^14 (mode 2, F16 encoding of e2m1 * scale).
  *
- * Mode 4 decodes mode 1's records to E4M3 like mode 1 and converts byte pairs
- * to F16 in place, so its k16 HGMMA steps see K in mm_sm90_kperm order inside
- * every 32-column block; its B operands (the prep kernel's F16 copy of x, the
- * L1 epilogue's F16 intermediate) are stored in that order. */
+ * Mode 4 decodes mode 1's records like mode 1, with a fold table of F16 high
+ * bytes (its values' low bytes are 0), and spreads each byte pair into an F16
+ * pair with one byte permute, so its k16 HGMMA steps see K in mm_sm90_kperm
+ * order inside every 32-column block; its B operands (the prep kernel's F16
+ * copy of x, the L1 epilogue's F16 intermediate) are stored in that order.
+ * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 by its scales' F16 pairs, read
+ * from a 256-entry shared table. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
