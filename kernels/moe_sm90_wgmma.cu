@@ -26,10 +26,10 @@
  * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
  * F16 ones load token-scale pairs (Kern::kPairScales). 128-wide tiles in the
  * FP8 modes decode one K block ahead (Kern::k_loop_ahead): block kb + 1's
- * decode runs beside block kb's promotion. In mode 1, matrices whose
- * references are all 0 (the packer's row anchor) run kernels that promote
- * without the reference multiply and its loads (Kern's ONE), at every tile
- * width.
+ * decode runs beside block kb's promotion. In modes 1 and 4 (mode 1's
+ * records), matrices whose references are all 0 (the packer's row anchor)
+ * run kernels that promote without the reference multiply and its loads
+ * (Kern's ONE), at every tile width.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -387,13 +387,14 @@ __device__ __forceinline__ float pow2_exact(int e) {
  * issues the copies) and the consumer warpgroups. BS: the token tile of
  * small experts; kMixed adds 64-wide tiles for the others (one CTA per SM
  * only: the 64-wide accumulators do not fit two CTAs' registers). ONE
- * (mode 1): every reference exponent of the matrix is 0 (the packer's row
+ * (modes 1 and 4): every reference exponent of the matrix is 0 (the packer's row
  * anchor moved each row's into its row factor), so the promotion skips the
  * reference multiply, and the K loop the references' loads and powers of
  * two. A kernel of its own rather than a branch per tile: two copies of the
  * K loop in one kernel ran the per-block-reference copy 4-7% slower
  * (docs/PERF.md, version 7). At 16-64-wide tiles ONE measured 2-8% faster
- * (version 8), at 128-wide 8-10% (version 7). */
+ * (version 8), at 128-wide 8-10% (version 7); mode 4's share of its 8-11%
+ * (with the byte permutes, version 8) was not measured apart. */
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
@@ -787,7 +788,7 @@ struct Kern {
                      * table load (lsu pipe) in place of shifts and a conversion
                      * (ALU pipe, where the decode is bound): 2-5% faster at M <=
                      * 1024 (docs/PERF.md, version 8); two CTAs per SM keep the
-                     * conversion (the table's registers would spill) */
+                     * conversion (with the table that kernel spilled 4 bytes) */
                     const uint32_t sv = s < 4 ? sb2[j][rr].x : sb2[j][rr].y;
                     const uint32_t scl =
                         CPS == 1 ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
