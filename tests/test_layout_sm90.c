@@ -1,7 +1,8 @@
 /* test_layout_sm90.c -- the sm90 weight layout transform (CPU): every weight
  * of the packed records decodes to the canonical value (modes 1, 2 and 4
  * exactly, mode 3 within its E4M3 rounding; mode 4 = mode 1's records), mode
- * 4's K order against the PTX fragment layouts, the cuda backend's mode
+ * 4's K order against the PTX fragment layouts, the F16 high bytes mode 4's
+ * kernels make of the fold table, the cuda backend's mode
  * choice, the workspace plan, extremes of both scale formats,
  * refusal of unfoldable UE8M0 blocks, the w13 gate/up order, and a bit-level
  * check of the thread-register word layout. */
@@ -364,6 +365,46 @@ static void test_weight_mode_selection(void) {
 
 /* The reference exponent's 2^ref at the edges of FP32: the CPU reference, the
  * CUDA-core kernel and the WGMMA kernels (pow2_exact) agree on these. */
+/* The F16 bits of v, which must be representable (else a failed check). */
+static uint16_t f16_bits(float v) {
+  if (v == 0.0f) return signbit(v) ? 0x8000 : 0;
+  const uint16_t sign = v < 0 ? 0x8000 : 0;
+  const float a = fabsf(v);
+  if (a < 0x1p-14f) { /* subnormal: a multiple of 2^-24 */
+    const float m = a * 0x1p24f;
+    CHECK(m == floorf(m) && m < 1024.0f);
+    return (uint16_t)(sign | (uint16_t)m);
+  }
+  int e;
+  const float f = frexpf(a, &e); /* a = 2f * 2^(e-1) */
+  const float mant = (2.0f * f - 1.0f) * 1024.0f;
+  CHECK(e - 1 <= 15 && mant == floorf(mant));
+  return (uint16_t)(sign | (uint16_t)((e - 1 + 15) << 10) | (uint16_t)mant);
+}
+
+/* Mode 4's kernels turn each fold-table entry into the high byte of its F16
+ * and make F16 pairs by placing those bytes over zero low bytes (and OR the
+ * sign into them, as into the E4M3 bytes). That is exact for the entries
+ * mode 1's records index (j = 0: e2m1 * 2^s, at most two significant bits):
+ * each must be an F16 whose low byte is 0 and whose high byte, with the sign
+ * bit set, is the F16 of the negated value. */
+static void test_mode4_f16_high_bytes(void) {
+  uint8_t table[MM_SM90_LUT_ENTRIES][8];
+  mm_sm90_lut_table(table);
+  int entries = 0;
+  for (int k = MM_SM90_LUT_KMIN; k <= MM_SM90_LUT_KMAX; k++)
+    for (int c = 0; c < 8; c++) {
+      const uint8_t b = table[MM_SM90_LUT_INDEX(k, 0)][c];
+      const float v = mm_e4m3_to_float(b), nv = mm_e4m3_to_float((uint8_t)(b | 0x80));
+      const uint16_t h = f16_bits(v), nh = f16_bits(nv);
+      CHECK_MSG((h & 0xFF) == 0, "shift %d magnitude %d: E4M3 0x%02X = %g has F16 0x%04X", k, c, b,
+                (double)v, h);
+      CHECK_EQ_INT(nh, (h | 0x8000) & 0xFFFF);
+      entries++;
+    }
+  CHECK_EQ_INT(entries, (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1) * 8);
+}
+
 static void test_pow2_edges(void) {
   CHECK(mm_sm90_pow2(0) == 1.0f);
   CHECK(mm_sm90_pow2(-126) == ldexpf(1.0f, -126));
@@ -390,6 +431,7 @@ int main(void) {
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
   RUN(test_mode4_kperm);
+  RUN(test_mode4_f16_high_bytes);
   RUN(test_weight_mode_selection);
   RUN(test_g32_exact_random);
   RUN(test_g32_extremes);
