@@ -1078,7 +1078,8 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads) {
       uint32_t v = ((const uint32_t *)p.lut)[i];
       /* mode 4: each entry, an E4M3 e2m1 * 2^s with at most one mantissa
-       * bit, as the high byte of its F16 (exact; the low byte is 0) */
+       * bit, as the high byte of its F16 (exact: the low byte is 0 for every
+       * entry mode 1's records index; test_layout_sm90 checks it) */
       if (MODE == 4) v = prmt(e4m3x2_to_f16x2(v & 0xFFFFu), e4m3x2_to_f16x2(v >> 16), 0x7531);
       ((uint32_t *)(sm + S::kOffLut))[i] = v;
     }
