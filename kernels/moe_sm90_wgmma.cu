@@ -237,6 +237,16 @@ __device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
     default: return ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
   }
 }
+/* Mode 1/3/4 decode of one code word (8 weights) with its fold-table entries
+ * tlo / thi (8 magnitude bytes each): lo = bytes of nibbles 0-3 (signs at
+ * bits 8i + 7), hi = nibbles 4-7 (signs at 8i + 3), as the packers lay them
+ * out (docs/LAYOUTS.md). */
+__device__ __forceinline__ void dec_fold(uint32_t word, uint2 tlo, uint2 thi, uint32_t &lo,
+                                         uint32_t &hi) {
+  const uint32_t sel = word & 0x77777777u;
+  lo = prmt(tlo.x, tlo.y, sel) | (word & 0x80808080u);
+  hi = prmt(thi.x, thi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+}
 __device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
   return *reinterpret_cast<uint32_t *>(&r);
@@ -316,7 +326,8 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
 MM_WGMMA_N(64)
-MM_WGMMA_N(128)
+/* 128 columns: F16 only (the FP8 128-wide loop issues two n64 halves) */
+MM_WGMMA(0, 128, "k16.f32.f16.f16", ", 0")
 #undef MM_WGMMA_N
 #undef MM_WGMMA
 
@@ -429,11 +440,19 @@ struct Kern {
    * even row (mode 1 measured 1-4% slower with it, and 10-20% slower in the
    * decode-ahead loop). */
   static constexpr bool kPairScales = kWide && CM::kF16;
+  /* Mode 2 reads its scales' F16 pairs from a 256-entry table in the fold
+   * table's place (one-CTA kernels; the two-CTA one spilled 4 bytes with it
+   * and converts each scale): 2-5% faster at M <= 1024 (docs/PERF.md,
+   * version 8). */
+  static constexpr bool kScaleTable = MODE == 2 && CPS == 1;
   /* A token scale as the promotion applies it: mode 2's F16 weights hold
    * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
   static __device__ __forceinline__ float token_factor(float v) {
     return MODE == 2 ? v * 16384.0f : v;
   }
+  /* A token scale t times the weight reference factor w of its row and
+   * block: t alone in the ONE kernels, where every reference is 0. */
+  static __device__ __forceinline__ float with_ref(float t, float w) { return ONE ? t : t * w; }
   /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
   static __device__ __forceinline__ int tile_of(int h, int c, int j) {
     return kConsumers * TPW * h + TPW * c + j;
@@ -518,9 +537,8 @@ struct Kern {
    * runs beside the second half's MMAs. Measured 2-4% faster than decoding
    * each chunk before its MMA (docs/PERF.md, version 7), the halves 3-4% more
    * (version 8). fin / acc: the tile's promoted and block accumulators.
-   * kOne: every reference of the matrix is 0 (Kern's ONE), so the promotion
-   * skips the reference multiply (x * 1.0f == x: the same sums bit for bit). */
-  template <bool kOne>
+   * With ONE the promotion skips the reference multiply (x * 1.0f == x: the
+   * same sums bit for bit). */
   static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
                                                       int c, int &stage, uint32_t &phase,
                                                       float (&fin)[64], float (&acc)[64]) {
@@ -556,16 +574,13 @@ struct Kern {
             tl[ch][hh][1] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
           }
         }
-        if (!kOne) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+        if (!ONE) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
       }
     };
     auto decode = [&](int ch) {
 #pragma unroll
-      for (int rr = 0; rr < 2; rr++) {
-        const uint32_t word = wd[2 * ch + rr], sel = word & 0x77777777u;
-        a[ch][rr] = prmt(tl[ch][rr][0].x, tl[ch][rr][0].y, sel) | (word & 0x80808080u);
-        a[ch][rr + 2] = prmt(tl[ch][rr][1].x, tl[ch][rr][1].y, sel >> 16) | ((word << 4) & 0x80808080u);
-      }
+      for (int rr = 0; rr < 2; rr++)
+        dec_fold(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], a[ch][rr], a[ch][rr + 2]);
     };
     /* registers [16 part, 16 part + 16) of the block in the stage's tile */
     auto promote = [&](int part) {
@@ -574,7 +589,7 @@ struct Kern {
       for (int ii = 0; ii < 16; ii++) {
         const int i = 16 * part + ii, k = (i >> 2) * 2 + (i & 1);
         const float t = token_factor(sS[acc_col(k, q)]);
-        fin[i] = fmaf(acc[i], kOne ? t : t * sw[(i >> 1) & 1], fin[i]);
+        fin[i] = fmaf(acc[i], with_ref(t, sw[(i >> 1) & 1]), fin[i]);
       }
     };
     /* The block's MMAs in two groups, one per half of the token columns:
@@ -697,7 +712,7 @@ struct Kern {
       if (kEarly) load_factors();
 
       if constexpr (kAhead && BN == 128) {
-        k_loop_ahead<ONE>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        k_loop_ahead(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else {
         /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
          * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
@@ -784,15 +799,13 @@ struct Kern {
   #pragma unroll
                   for (int ss = 0; ss < 2; ss++) {
                     const int s = 2 * ch + ss;
-                    /* the group's scale as an F16 pair: one byte extract and a
+                    /* the group's scale as an F16 pair: a byte extract and a
                      * table load (lsu pipe) in place of shifts and a conversion
-                     * (ALU pipe, where the decode is bound): 2-5% faster at M <=
-                     * 1024 (docs/PERF.md, version 8); two CTAs per SM keep the
-                     * conversion (with the table that kernel spilled 4 bytes) */
+                     * (ALU pipe, where the decode is bound) */
                     const uint32_t sv = s < 4 ? sb2[j][rr].x : sb2[j][rr].y;
                     const uint32_t scl =
-                        CPS == 1 ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
-                                 : e4m3_pair((sv >> (8 * (s & 3))) & 0xFF);
+                        kScaleTable ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
+                                    : e4m3_pair((sv >> (8 * (s & 3))) & 0xFF);
                     a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
                     a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
                   }
@@ -807,9 +820,8 @@ struct Kern {
                     llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
                     lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
                   }
-                  const uint32_t sel = word & 0x77777777u;
-                  const uint32_t lo = prmt(llo.x, llo.y, sel) | (word & 0x80808080u);
-                  const uint32_t hi = prmt(lhi.x, lhi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+                  uint32_t lo, hi;
+                  dec_fold(word, llo, lhi, lo, hi);
                   if (MODE == 4) {
                     /* each byte pair to an F16 pair: mode 4's table holds F16
                      * high bytes (the low bytes of its values are 0), so one
@@ -851,15 +863,17 @@ struct Kern {
             wg_commit();
           }
           if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
+          /* tile j's promotion with the scales read before the MMAs */
+          auto promote_early = [&](int j) {
+  #pragma unroll
+            for (int i = 0; i < NR; i++)
+              fin[j][i] = fmaf(acc[j][i], with_ref(sx[(i >> 2) * 2 + (i & 1)], sw[j][(i >> 1) & 1]),
+                               fin[j][i]);
+          };
           if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
             wg_wait<1>();
             fence_acc(acc[0]);
-  #pragma unroll
-            for (int i = 0; i < NR; i++)
-              fin[0][i] = fmaf(acc[0][i],
-                               ONE ? sx[(i >> 2) * 2 + (i & 1)]
-                                   : sx[(i >> 2) * 2 + (i & 1)] * sw[0][(i >> 1) & 1],
-                               fin[0][i]);
+            promote_early(0);
           }
           wg_wait<0>();
   #pragma unroll
@@ -875,9 +889,7 @@ struct Kern {
                 for (int j = 0; j < TPW; j++)
   #pragma unroll
                   for (int i = 4 * m; i < 4 * m + 4; i++)
-                    fin[j][i] = fmaf(acc[j][i],
-                                    ONE ? ((i & 1) ? ty : tx) : ((i & 1) ? ty : tx) * sw[j][(i >> 1) & 1],
-                                    fin[j][i]);
+                    fin[j][i] = fmaf(acc[j][i], with_ref((i & 1) ? ty : tx, sw[j][(i >> 1) & 1]), fin[j][i]);
               }
             } else {
   #pragma unroll
@@ -885,7 +897,7 @@ struct Kern {
   #pragma unroll
                 for (int i = 0; i < NR; i++) {
                   const int k = (i >> 2) * 2 + (i & 1);
-                  fin[j][i] = fmaf(acc[j][i], ONE ? token_scale(k) : token_scale(k) * sw[j][(i >> 1) & 1], fin[j][i]);
+                  fin[j][i] = fmaf(acc[j][i], with_ref(token_scale(k), sw[j][(i >> 1) & 1]), fin[j][i]);
                 }
             }
           }
@@ -900,13 +912,7 @@ struct Kern {
           }
           if (!kLateSx)
   #pragma unroll
-            for (int j = kSplit ? 1 : 0; j < TPW; j++)
-  #pragma unroll
-              for (int i = 0; i < NR; i++)
-                fin[j][i] = fmaf(acc[j][i],
-                                 ONE ? sx[(i >> 2) * 2 + (i & 1)]
-                                     : sx[(i >> 2) * 2 + (i & 1)] * sw[j][(i >> 1) & 1],
-                                 fin[j][i]);
+            for (int j = kSplit ? 1 : 0; j < TPW; j++) promote_early(j);
         }
       }
 
@@ -1072,7 +1078,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     }
     if (lane == 0) sched[E] = carry;
   }
-  if (MODE == 2 && CPS == 1) /* mode 2: each E4M3 scale byte's F16 pair (s, s) */
+  if (K::kScaleTable) /* mode 2: each E4M3 scale byte's F16 pair (s, s) */
     for (int i = threadIdx.x; i < 256; i += W::kThreads) ((uint32_t *)(sm + S::kOffLut))[i] = e4m3_pair(i);
   if (MODE != 2) /* fold table: modes 1, 3, 4 */
     for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads) {
