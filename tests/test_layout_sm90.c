@@ -363,8 +363,6 @@ static void test_weight_mode_selection(void) {
   mm_qmat_free(&m);
 }
 
-/* The reference exponent's 2^ref at the edges of FP32: the CPU reference, the
- * CUDA-core kernel and the WGMMA kernels (pow2_exact) agree on these. */
 /* The F16 bits of v, which must be representable (else a failed check). */
 static uint16_t f16_bits(float v) {
   if (v == 0.0f) return signbit(v) ? 0x8000 : 0;
@@ -405,6 +403,8 @@ static void test_mode4_f16_high_bytes(void) {
   CHECK_EQ_INT(entries, (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1) * 8);
 }
 
+/* The reference exponent's 2^ref at the edges of FP32: the CPU reference, the
+ * CUDA-core kernel and the WGMMA kernels (pow2_exact) agree on these. */
 static void test_pow2_edges(void) {
   CHECK(mm_sm90_pow2(0) == 1.0f);
   CHECK(mm_sm90_pow2(-126) == ldexpf(1.0f, -126));
