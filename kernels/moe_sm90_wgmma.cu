@@ -23,10 +23,9 @@
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; the 64-wide accumulators do not fit their registers).
  * With 64-wide tiles (and 128-wide ones in the F16 modes) the two consumer
- * warpgroups take turns issuing their MMAs (Kern::kPingPong), and 128-wide
- * F16 ones load token-scale pairs (Kern::kPairScales). 128-wide tiles in the
- * FP8 modes decode one K block ahead (Kern::k_loop_ahead): block kb + 1's
- * decode runs beside block kb's promotion. In modes 1 and 4 (mode 1's
+ * warpgroups take turns issuing their MMAs (Kern::kPingPong). 128-wide tiles
+ * decode one K block ahead (Kern::k_loop_ahead): block kb + 1's decode runs
+ * beside block kb's promotion. In modes 1 and 4 (mode 1's
  * records), matrices whose references are all 0 (the packer's row anchor)
  * run kernels that promote without the reference multiply and its loads
  * (Kern's ONE), at every tile width.
@@ -282,7 +281,7 @@ template <int FP8, int N>
 __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2,
                                     uint32_t a3, uint64_t desc, int scale_d);
 
-/* Inline asm wants literal operand lists, so one macro writes the eight
+/* Inline asm wants literal operand lists, so one macro writes the six
  * specializations. Per N: the accumulator's "+f" constraints and PTX operands
  * (%0 .. %(N/2 - 1)), then the operands after them: {a0..a3}, desc and
  * scale_d. KTYPE: K and the input types; TAIL: F16's B-transpose immediate. */
@@ -292,23 +291,16 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 #define MM_ACC_16(d) MM_ACC8(d, 0)
 #define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
 #define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
-#define MM_ACC_128(d) \
-  MM_ACC_64(d), MM_ACC8(d, 32), MM_ACC8(d, 40), MM_ACC8(d, 48), MM_ACC8(d, 56)
 #define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define MM_D_64 \
   MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define MM_D_128                                                                          \
-  MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-          "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
 #define MM_AB_64 "{%32, %33, %34, %35}, %36"
-#define MM_AB_128 "{%64, %65, %66, %67}, %68"
 #define MM_SCALE_16 "%13"
 #define MM_SCALE_32 "%21"
 #define MM_SCALE_64 "%37"
-#define MM_SCALE_128 "%69"
 #define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
   template <>                                                                            \
   __device__ __forceinline__ void mma<FP8, N>(float (&d)[N / 2], uint32_t a0, uint32_t a1, \
@@ -325,9 +317,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
   MM_WGMMA(0, N, "k16.f32.f16.f16", ", 0")
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
-MM_WGMMA_N(64)
-/* 128 columns: F16 only (the FP8 128-wide loop issues two n64 halves) */
-MM_WGMMA(0, 128, "k16.f32.f16.f16", ", 0")
+MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
 #undef MM_WGMMA_N
 #undef MM_WGMMA
 
@@ -427,19 +417,13 @@ struct Kern {
    * instead of both promoting at once beside an idle tensor pipe. Measured
    * (docs/PERF.md, version 5): with 64-wide tiles 4-9% faster in modes 1-3
    * and 1% in mode 4, with 128-wide tiles 2-4% faster in modes 2-4 and 3%
-   * slower in mode 1 (the least work beside its MMAs). 16- and 32-wide tiles
+   * slower in mode 1 (the least work beside its MMAs); in the decode-ahead
+   * loop (version 9) mode 1 equal at M = 32768 and 10-14% slower skewed with
+   * them, so the FP8 modes' 128-wide tiles go without. 16- and 32-wide tiles
    * are decode-bound, and turns would serialize their decode. Warpgroup 1
    * grants the first turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (kWide && CM::kF16);
   static constexpr int kTurn = 2;
-  /* Decode ahead (k_loop_ahead): the K loop of the FP8 modes' 128-wide
-   * tiles. Without turns: mode 3 measured 2-4% faster without them there. */
-  static constexpr bool kAhead = kWide && !CM::kF16;
-  /* 128-wide tiles of the F16 modes: the promotion reads a lane's two
-   * adjacent token scales with one 8-byte load where the tile starts at an
-   * even row (mode 1 measured 1-4% slower with it, and 10-20% slower in the
-   * decode-ahead loop). */
-  static constexpr bool kPairScales = kWide && CM::kF16;
   /* Mode 2 reads its scales' F16 pairs from a 256-entry table in the fold
    * table's place (one-CTA kernels; the two-CTA one spilled 4 bytes with it
    * and converts each scale): 2-5% faster at M <= 1024 (docs/PERF.md,
@@ -456,6 +440,67 @@ struct Kern {
   /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
   static __device__ __forceinline__ int tile_of(int h, int c, int j) {
     return kConsumers * TPW * h + TPW * c + j;
+  }
+
+  /* ---- the decode, shared by both K loops ---- */
+  /* A row's scale bytes of one block in record R (4 in mode 1's records,
+   * in .x; 8 otherwise). */
+  static __device__ __forceinline__ uint2 row_scales(const uint8_t *R, int r) {
+    if (CM::kG32) return make_uint2(*(const uint32_t *)(R + 4096 + r * 4), 0u);
+    return *(const uint2 *)(R + 4096 + r * 8);
+  }
+  /* Fold-table entries (modes 1, 3, 4) of chunk ch of a row for the code
+   * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both in
+   * mode 1's records, two in mode 3's. The byte extract is one prmt,
+   * zero-filled from the 0 operand. */
+  static __device__ __forceinline__ void fold_entries(const uint2 *lut, uint2 sb, int ch,
+                                                      uint2 &tlo, uint2 &thi) {
+    if (CM::kG32) {
+      tlo = thi = lut[prmt(sb.x, 0, 0x4440 | ch)];
+    } else {
+      const uint32_t v = ch < 2 ? sb.x : sb.y;
+      tlo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
+      thi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+    }
+  }
+  /* Mode 2: the F16 pair (s, s) of a row's group scale s (0..7): a byte
+   * extract and a table load (lsu pipe) in place of shifts and a conversion
+   * (ALU pipe, where the decode is bound), where the table exists. */
+  static __device__ __forceinline__ uint32_t scale_pair(const uint2 *lut, uint2 sb, int s) {
+    const uint32_t sv = s < 4 ? sb.x : sb.y;
+    return kScaleTable ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
+                       : e4m3_pair((sv >> (8 * (s & 3))) & 0xFF);
+  }
+  /* The A registers of one code word, row rr (0: r0, 1: r0 + 8) of a k32
+   * chunk: FP8 registers rr and rr + 2 of a[0], or in the F16 modes those
+   * of the chunk's two k16 steps a[0], a[1]. tlo / thi: its fold-table
+   * entries (modes 1, 3, 4); sc0 / sc1: mode 2's scale pairs of the two
+   * steps. */
+  static __device__ __forceinline__ void decode_word(uint32_t word, uint2 tlo, uint2 thi,
+                                                     uint32_t sc0, uint32_t sc1, int rr,
+                                                     uint32_t (&a)[2][4]) {
+    if (MODE == 2) {
+      a[0][rr] = hmul2u(dec_h(word, 0), sc0);
+      a[0][rr + 2] = hmul2u(dec_h(word, 1), sc0);
+      a[1][rr] = hmul2u(dec_h(word, 2), sc1);
+      a[1][rr + 2] = hmul2u(dec_h(word, 3), sc1);
+      return;
+    }
+    uint32_t lo, hi;
+    dec_fold(word, tlo, thi, lo, hi);
+    if (MODE == 4) {
+      /* each byte pair to an F16 pair: mode 4's table holds F16 high bytes
+       * (the low bytes of its values are 0), so one byte permute with zeros
+       * makes the pair. FP8 register rr (+2) of the chunk splits into F16
+       * register rr (+2) of its k16 steps (mm_sm90_kperm_src order). */
+      a[0][rr] = prmt(lo, 0, 0x1404);
+      a[1][rr] = prmt(lo, 0, 0x3424);
+      a[0][rr + 2] = prmt(hi, 0, 0x1404);
+      a[1][rr + 2] = prmt(hi, 0, 0x3424);
+    } else {
+      a[0][rr] = lo;
+      a[0][rr + 2] = hi;
+    }
   }
 
   /* Token-side copies of one stage: the token tile and its scales. */
@@ -528,30 +573,34 @@ struct Kern {
     if (early >= 0) catch_up();
   }
 
-  /* The K loop of one 128-wide FP8 tile, decoding ahead: block kb + 1's
-   * records are fetched and decoded while block kb is promoted, in one
-   * straight stretch of code, so that the decode's byte permutes and table
-   * loads (ALU pipe, shared memory) overlap the promotion's FMAs; block
-   * kb + 1's MMAs then issue together from four ready A buffers, in two
-   * groups (token columns 0-63, 64-127) so that the first half's promotion
-   * runs beside the second half's MMAs. Measured 2-4% faster than decoding
-   * each chunk before its MMA (docs/PERF.md, version 7), the halves 3-4% more
-   * (version 8). fin / acc: the tile's promoted and block accumulators.
-   * With ONE the promotion skips the reference multiply (x * 1.0f == x: the
-   * same sums bit for bit). */
+  /* The K loop of one 128-wide tile, decoding ahead: block kb + 1's records
+   * are fetched and decoded while block kb is promoted, in one straight
+   * stretch of code, so that the decode's byte permutes and table loads (ALU
+   * pipe, shared memory) overlap the promotion's FMAs; block kb + 1's MMAs
+   * then issue together from four ready A buffers, in two groups (token
+   * columns 0-63, 64-127) so that the first half's promotion runs beside the
+   * second half's MMAs. FP8 modes: 2-4% faster than decoding each chunk
+   * before its MMA (docs/PERF.md, version 7), the halves 3-4% more (version
+   * 8). F16 modes, with turns (kPingPong): mode 4 5-6% and mode 2 2-4%
+   * faster than the chunked loop with turns (version 9). fin / acc: the
+   * tile's promoted and block accumulators. With ONE the promotion skips the
+   * reference multiply (x * 1.0f == x: the same sums bit for bit). */
   static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
                                                       int c, int &stage, uint32_t &phase,
                                                       float (&fin)[64], float (&acc)[64]) {
     using C = Cfg<MODE, 128>;
+    constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
+    static_assert(MODE != 2 || kScaleTable, "mode 2's scale pairs come from the table");
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int tid = threadIdx.x % 128;
     const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
     const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 */
     const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
     const int KB = p.K / 128;
-    uint32_t a[4][4];      /* A fragments: [chunk][register] */
+    uint32_t a[4][2][4];   /* A fragments: [chunk][k16 step (F16)][register] */
     uint32_t wd[8];        /* the next block's code words */
     uint2 tl[4][2][2];     /* its fold-table entries: [chunk][row][lo / hi] */
+    uint32_t sc[2][8];     /* mode 2: its scale pairs [row][group] */
     float sw[2] = {1.0f, 1.0f}, swn[2] = {1.0f, 1.0f}; /* references: in flight, next */
     auto fetch = [&](int st) {
       const uint8_t *R = sm + S::kOffA + st * C::kA + c * C::kRec;
@@ -561,26 +610,24 @@ struct Kern {
 #pragma unroll
       for (int hh = 0; hh < 2; hh++) {
         const int r = r0 + 8 * hh;
-        if (C::kG32) {
-          const uint32_t sb = *(const uint32_t *)(R + 4096 + r * 4);
+        const uint2 sb = row_scales(R, r);
 #pragma unroll
-          for (int ch = 0; ch < 4; ch++) tl[ch][hh][0] = tl[ch][hh][1] = lut[prmt(sb, 0, 0x4440 | ch)];
-        } else {
-          const uint2 sb = *(const uint2 *)(R + 4096 + r * 8);
-#pragma unroll
-          for (int ch = 0; ch < 4; ch++) {
-            const uint32_t v = ch < 2 ? sb.x : sb.y;
-            tl[ch][hh][0] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
-            tl[ch][hh][1] = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+        for (int ch = 0; ch < 4; ch++) {
+          if (MODE == 2) {
+            sc[hh][2 * ch] = scale_pair(lut, sb, 2 * ch);
+            sc[hh][2 * ch + 1] = scale_pair(lut, sb, 2 * ch + 1);
+          } else {
+            fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
           }
         }
-        if (!ONE) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+        if (!ONE && MODE != 2) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
       }
     };
     auto decode = [&](int ch) {
 #pragma unroll
       for (int rr = 0; rr < 2; rr++)
-        dec_fold(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], a[ch][rr], a[ch][rr + 2]);
+        decode_word(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], sc[rr][2 * ch],
+                    sc[rr][2 * ch + 1], rr, a[ch]);
     };
     /* registers [16 part, 16 part + 16) of the block in the stage's tile */
     auto promote = [&](int part) {
@@ -597,23 +644,32 @@ struct Kern {
      * [32, 64) columns [64, 128), each as an m64n64 fragment. The first half
      * is promoted while the second half's MMAs run, where the warps would
      * otherwise wait for all of them: mode 1 3-4% faster (docs/PERF.md,
-     * version 8). */
+     * version 8); one group of m64n128 MMAs ran mode 4 5-7% and mode 2 3-4%
+     * slower (version 9). */
     float(&acc_lo)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
     float(&acc_hi)[32] = *reinterpret_cast<float(*)[32]>(&acc[32]);
-    auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs */
+    auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs (F16: 2 x 8) */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
+      if (kPingPong) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
       fence_acc(acc);
       wg_fence();
 #pragma unroll
-      for (int ch = 0; ch < 4; ch++)
-        mma<true, 64>(acc_lo, a[ch][0], a[ch][1], a[ch][2], a[ch][3], dB0 + (uint64_t)(ch * 2),
-                      ch > 0);
-      wg_commit();
+      for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
-      for (int ch = 0; ch < 4; ch++) /* token rows 64.. start 64 x 128 bytes in */
-        mma<true, 64>(acc_hi, a[ch][0], a[ch][1], a[ch][2], a[ch][3],
-                      dB0 + (uint64_t)((64 * 128) >> 4) + (uint64_t)(ch * 2), ch > 0);
-      wg_commit();
+        for (int ch = 0; ch < 4; ch++)
+#pragma unroll
+          for (int ss = 0; ss < kSteps; ss++) {
+            /* step s reads 32 bytes of each token row (F16 rows span 2
+             * slabs); token rows 64.. start 64 x 128 bytes into a slab */
+            const int s = kSteps * ch + ss;
+            const uint64_t d =
+                dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32 + hf * 64 * 128) >> 4);
+            mma<!C::kF16, 64>(hf ? acc_hi : acc_lo, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2],
+                              a[ch][ss][3], d, s > 0);
+          }
+        wg_commit();
+      }
+      if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
     };
     auto retire_lo = [&]() {
       wg_wait<1>();
@@ -711,7 +767,7 @@ struct Kern {
       };
       if (kEarly) load_factors();
 
-      if constexpr (kAhead && BN == 128) {
+      if constexpr (BN == 128) {
         k_loop_ahead(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else {
         /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
@@ -737,20 +793,13 @@ struct Kern {
           const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
           const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
                                  : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
-          /* token scales: read before the MMAs, except beside the 128-wide
-           * tile's accumulators (registers), where the promotion reads them */
-          constexpr bool kLateSx = BN == 128;
-          float sx[kLateSx ? 1 : NC];
-          auto token_scale = [&](int k) {
-            return token_factor(sS[acc_col(k, q) - col0]);
-          };
-          if (!kLateSx)
+          /* token scales: read before the MMAs */
+          float sx[NC];
   #pragma unroll
-            for (int k = 0; k < NC; k++) sx[k] = token_scale(k);
+          for (int k = 0; k < NC; k++) sx[k] = token_factor(sS[acc_col(k, q) - col0]);
           uint32_t wd[TPW][8];
           float sw[TPW][2];
-          uint32_t sb1[TPW][2];
-          uint2 sb2[TPW][2];
+          uint2 sb[TPW][2];
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
             const uint8_t *R = sA + j * C::kRec;
@@ -761,8 +810,9 @@ struct Kern {
   #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
               const int r = r0 + 8 * hh;
-              if (C::kG32) sb1[j][hh] = *(const uint32_t *)(R + (kPin ? o_s + 32 * hh : 4096 + r * 4));
-              else sb2[j][hh] = *(const uint2 *)(R + (kPin ? o_s + 64 * hh : 4096 + r * 8));
+              if (!kPin) sb[j][hh] = row_scales(R, r);
+              else if (C::kG32) sb[j][hh] = make_uint2(*(const uint32_t *)(R + o_s + 32 * hh), 0u);
+              else sb[j][hh] = *(const uint2 *)(R + o_s + 64 * hh);
               sw[j][hh] = MODE == 2 || ONE ? 1.0f
                                            : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
                                                                                      : C::kRefOff + 2 * r)));
@@ -794,49 +844,15 @@ struct Kern {
             for (int j = 0; j < TPW; j++) {
   #pragma unroll
               for (int rr = 0; rr < 2; rr++) {
+                uint2 tlo = make_uint2(0u, 0u), thi = tlo;
+                uint32_t sc0 = 0, sc1 = 0;
                 if (MODE == 2) {
-                  const uint32_t word = wd[j][2 * ch + rr];
-  #pragma unroll
-                  for (int ss = 0; ss < 2; ss++) {
-                    const int s = 2 * ch + ss;
-                    /* the group's scale as an F16 pair: a byte extract and a
-                     * table load (lsu pipe) in place of shifts and a conversion
-                     * (ALU pipe, where the decode is bound) */
-                    const uint32_t sv = s < 4 ? sb2[j][rr].x : sb2[j][rr].y;
-                    const uint32_t scl =
-                        kScaleTable ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
-                                    : e4m3_pair((sv >> (8 * (s & 3))) & 0xFF);
-                    a[buf][j][ss][rr] = hmul2u(dec_h(word, 2 * ss), scl);
-                    a[buf][j][ss][rr + 2] = hmul2u(dec_h(word, 2 * ss + 1), scl);
-                  }
+                  sc0 = scale_pair(lut, sb[j][rr], 2 * ch);
+                  sc1 = scale_pair(lut, sb[j][rr], 2 * ch + 1);
                 } else {
-                  const uint32_t word = wd[j][2 * ch + rr];
-                  uint2 llo, lhi;
-                  /* byte extract with one prmt (zero-filled from the 0 operand) */
-                  if (C::kG32) {
-                    llo = lhi = lut[prmt(sb1[j][rr], 0, 0x4440 | ch)];
-                  } else {
-                    const uint32_t v = ch < 2 ? sb2[j][rr].x : sb2[j][rr].y;
-                    llo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
-                    lhi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
-                  }
-                  uint32_t lo, hi;
-                  dec_fold(word, llo, lhi, lo, hi);
-                  if (MODE == 4) {
-                    /* each byte pair to an F16 pair: mode 4's table holds F16
-                     * high bytes (the low bytes of its values are 0), so one
-                     * byte permute with zeros makes the pair. FP8 register rr
-                     * (+2) of step ch splits into F16 register rr (+2) of the
-                     * k16 steps 2ch, 2ch + 1 (mm_sm90_kperm_src order). */
-                    a[buf][j][0][rr] = prmt(lo, 0, 0x1404);
-                    a[buf][j][1][rr] = prmt(lo, 0, 0x3424);
-                    a[buf][j][0][rr + 2] = prmt(hi, 0, 0x1404);
-                    a[buf][j][1][rr + 2] = prmt(hi, 0, 0x3424);
-                  } else {
-                    a[buf][j][0][rr] = lo;
-                    a[buf][j][0][rr + 2] = hi;
-                  }
+                  fold_entries(lut, sb[j][rr], ch, tlo, thi);
                 }
+                decode_word(wd[j][2 * ch + rr], tlo, thi, sc0, sc1, rr, a[buf][j]);
               }
             }
             if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
@@ -864,7 +880,7 @@ struct Kern {
           }
           if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
           /* tile j's promotion with the scales read before the MMAs */
-          auto promote_early = [&](int j) {
+          auto promote = [&](int j) {
   #pragma unroll
             for (int i = 0; i < NR; i++)
               fin[j][i] = fmaf(acc[j][i], with_ref(sx[(i >> 2) * 2 + (i & 1)], sw[j][(i >> 1) & 1]),
@@ -873,34 +889,11 @@ struct Kern {
           if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
             wg_wait<1>();
             fence_acc(acc[0]);
-            promote_early(0);
+            promote(0);
           }
           wg_wait<0>();
   #pragma unroll
           for (int j = kSplit ? 1 : 0; j < TPW; j++) fence_acc(acc[j]);
-          if (kLateSx) { /* before the stage is handed back */
-            /* a lane's columns come in adjacent pairs (acc_col) */
-            if (kPairScales && !(un.tok0 & 1)) {
-  #pragma unroll
-              for (int m = 0; m < NR / 4; m++) { /* registers 4m .. 4m + 3 */
-                const float2 t = *(const float2 *)(sS + acc_col(2 * m, q) - col0);
-                const float tx = token_factor(t.x), ty = token_factor(t.y);
-  #pragma unroll
-                for (int j = 0; j < TPW; j++)
-  #pragma unroll
-                  for (int i = 4 * m; i < 4 * m + 4; i++)
-                    fin[j][i] = fmaf(acc[j][i], with_ref((i & 1) ? ty : tx, sw[j][(i >> 1) & 1]), fin[j][i]);
-              }
-            } else {
-  #pragma unroll
-              for (int j = 0; j < TPW; j++)
-  #pragma unroll
-                for (int i = 0; i < NR; i++) {
-                  const int k = (i >> 2) * 2 + (i & 1);
-                  fin[j][i] = fmaf(acc[j][i], with_ref(token_scale(k), sw[j][(i >> 1) & 1]), fin[j][i]);
-                }
-            }
-          }
           /* every thread releases its own reads of the stage (an arrive
            * releases only the arriving thread's accesses), after a proxy
            * fence: the producer's next bulk copy (async proxy) overwrites it */
@@ -910,9 +903,8 @@ struct Kern {
             stage = 0;
             phase ^= 1;
           }
-          if (!kLateSx)
   #pragma unroll
-            for (int j = kSplit ? 1 : 0; j < TPW; j++) promote_early(j);
+          for (int j = kSplit ? 1 : 0; j < TPW; j++) promote(j);
         }
       }
 
