@@ -800,6 +800,10 @@ struct Kern {
           uint32_t wd[TPW][8];
           float sw[TPW][2];
           uint2 sb[TPW][2];
+          /* mode 2 (one CTA per SM): the block's scale pairs, read with its
+           * records rather than in the decode: 1-3% faster at M = 256-2048
+           * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
+          uint32_t sc[kScaleTable ? TPW : 1][2][8];
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
             const uint8_t *R = sA + j * C::kRec;
@@ -813,6 +817,9 @@ struct Kern {
               if (!kPin) sb[j][hh] = row_scales(R, r);
               else if (C::kG32) sb[j][hh] = make_uint2(*(const uint32_t *)(R + o_s + 32 * hh), 0u);
               else sb[j][hh] = *(const uint2 *)(R + o_s + 64 * hh);
+              if (kScaleTable)
+  #pragma unroll
+                for (int s8 = 0; s8 < 8; s8++) sc[kScaleTable ? j : 0][hh][s8] = scale_pair(lut, sb[j][hh], s8);
               sw[j][hh] = MODE == 2 || ONE ? 1.0f
                                            : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
                                                                                      : C::kRefOff + 2 * r)));
@@ -847,8 +854,9 @@ struct Kern {
                 uint2 tlo = make_uint2(0u, 0u), thi = tlo;
                 uint32_t sc0 = 0, sc1 = 0;
                 if (MODE == 2) {
-                  sc0 = scale_pair(lut, sb[j][rr], 2 * ch);
-                  sc1 = scale_pair(lut, sb[j][rr], 2 * ch + 1);
+                  sc0 = kScaleTable ? sc[kScaleTable ? j : 0][rr][2 * ch] : scale_pair(lut, sb[j][rr], 2 * ch);
+                  sc1 = kScaleTable ? sc[kScaleTable ? j : 0][rr][2 * ch + 1]
+                                    : scale_pair(lut, sb[j][rr], 2 * ch + 1);
                 } else {
                   fold_entries(lut, sb[j][rr], ch, tlo, thi);
                 }
