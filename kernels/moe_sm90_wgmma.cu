@@ -49,7 +49,13 @@
  * (mixed), four column quarters instead of halves in the 128-wide loop
  * (4-7% slower), a second A buffer set there (no faster), 32-wide tiles
  * split like the 64-wide ones (3-7% slower), two CTAs per SM in the F16
- * modes (3-6% faster even, 12-17% slower skewed; version 8).
+ * modes (3-6% faster even, 12-17% slower skewed; version 8); in the
+ * decode-ahead loop: turns in the FP8 modes (10-14% slower skewed), one
+ * group of m64n128 MMAs in the F16 ones (4-7% slower), token-scale pairs
+ * as 8-byte shared loads (5-7% slower), the next block's fetch before the
+ * first half retires (5-7% slower), the next block's MMAs before the second
+ * half's promotion (ptxas serializes them, C7514; with a second accumulator
+ * set for the second half, spills and 10% slower; version 9).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -804,6 +810,9 @@ struct Kern {
            * records rather than in the decode: 1-3% faster at M = 256-2048
            * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
           uint32_t sc[kScaleTable ? TPW : 1][2][8];
+          auto scale_of = [&](int j, int rr, int s) {
+            return kScaleTable ? sc[kScaleTable ? j : 0][rr][s] : scale_pair(lut, sb[j][rr], s);
+          };
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
             const uint8_t *R = sA + j * C::kRec;
@@ -854,9 +863,8 @@ struct Kern {
                 uint2 tlo = make_uint2(0u, 0u), thi = tlo;
                 uint32_t sc0 = 0, sc1 = 0;
                 if (MODE == 2) {
-                  sc0 = kScaleTable ? sc[kScaleTable ? j : 0][rr][2 * ch] : scale_pair(lut, sb[j][rr], 2 * ch);
-                  sc1 = kScaleTable ? sc[kScaleTable ? j : 0][rr][2 * ch + 1]
-                                    : scale_pair(lut, sb[j][rr], 2 * ch + 1);
+                  sc0 = scale_of(j, rr, 2 * ch);
+                  sc1 = scale_of(j, rr, 2 * ch + 1);
                 } else {
                   fold_entries(lut, sb[j][rr], ch, tlo, thi);
                 }
