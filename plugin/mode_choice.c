@@ -6,10 +6,11 @@
 
 /* Measured on an H200: one EP8 rank of GLM-5 (32 local experts, H 6144,
  * I 2048), bench_moe_compute medians in microseconds, uniform routing, the
- * mean of two runs. Source: docs/PERF.md, table "compute.mode auto":
- * version 5's kernels (sixth stop), and at M = 32768 in modes 1 and 3
- * version 7's (seventh stop; mode 1 with per-block references, the slower
- * of its two forms: 3200 us where every row takes the row anchor). */
+ * mean of two runs, version 9's kernels (ninth stop). Modes 1 and 4 with
+ * per-block references (`--block-refs`), the slower of their two forms
+ * (where every row takes the packer's row anchor they ran 4-10% faster at
+ * M = 256 and 1024).
+ * Source: docs/PERF.md, version 9, table "compute.mode auto". */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
 
@@ -32,10 +33,10 @@ typedef struct mode_row {
 
 /* Indexed by mm_weight_mode (1..4). */
 static const mode_row rows[5] = {
-  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {188.9, 243.4, 3620.6}},
-  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {297.5, 349.9, 5310.0}},
-  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {216.7, 267.6, 3671.5}},
-  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {280.0, 327.4, 5335.7}},
+  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {186.8, 243.6, 3416.4}},
+  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {288.5, 329.1, 5242.0}},
+  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {214.2, 265.5, 3586.5}},
+  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {263.2, 312.9, 4981.1}},
 };
 
 static int known(mm_weight_mode m) { return m >= MM_WMODE_G32_FP8 && m <= MM_WMODE_G32_F16_EXACT; }
