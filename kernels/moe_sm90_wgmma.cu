@@ -51,7 +51,8 @@
  * split like the 64-wide ones (3-7% slower), two CTAs per SM in the F16
  * modes (3-6% faster even, 12-17% slower skewed; version 8); in the
  * decode-ahead loop: turns in the FP8 modes (10-14% slower skewed), one
- * group of m64n128 MMAs in the F16 ones (4-7% slower), token-scale pairs
+ * group of m64n128 MMAs in the F16 ones (4-7% slower), their turn granted
+ * after the first half's MMAs (3-7% slower), token-scale pairs
  * as 8-byte shared loads (5-7% slower), the next block's fetch before the
  * first half retires (5-7% slower), the next block's MMAs before the second
  * half's promotion (ptxas serializes them, C7514; with a second accumulator
