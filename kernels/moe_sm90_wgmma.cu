@@ -842,8 +842,8 @@ struct Kern {
            * buffer, so that no decode waits on an MMA inside the block (mode 1
            * 2-5% faster, docs/PERF.md version 6). The others alternate two
            * buffers: 16/32-wide tiles measured 1% slower with four, and the
-           * F16 modes' 64-wide fragments (twice the registers) spilled. (The
-           * 128-wide tiles run k_loop_ahead, four buffers.) */
+           * F16 fragments (twice the registers) spilled. (The 128-wide tiles
+           * run k_loop_ahead, with four.) */
           constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
           /* Split (FP8 64-wide kernels, not the mixed ones' large tiles): the
            * MMAs of tile 1 issue after all of tile 0's, in a group of their
