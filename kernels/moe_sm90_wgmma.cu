@@ -50,13 +50,15 @@
  * (4-7% slower), a second A buffer set there (no faster), 32-wide tiles
  * split like the 64-wide ones (3-7% slower), two CTAs per SM in the F16
  * modes (3-6% faster even, 12-17% slower skewed; version 8); in the
- * decode-ahead loop: turns in the FP8 modes (10-14% slower skewed), one
- * group of m64n128 MMAs in the F16 ones (4-7% slower), their turn granted
- * after the first half's MMAs (3-7% slower), token-scale pairs
- * as 8-byte shared loads (5-7% slower), the next block's fetch before the
- * first half retires (5-7% slower), the next block's MMAs before the second
- * half's promotion (ptxas serializes them, C7514; with a second accumulator
- * set for the second half, spills and 10% slower; version 9).
+ * decode-ahead loop (version 9): turns in the FP8 modes (10-14% slower
+ * skewed), one group of m64n128 MMAs in the F16 ones (4-7% slower), their
+ * turn granted after the first half's MMAs (3-7% slower), token-scale pairs
+ * as 8-byte shared loads (5-7% slower), a block's token scales loaded into
+ * registers right after its MMAs issue, with the L1 first half's outputs
+ * moved to shared memory to make room (7-15% slower), the next block's
+ * fetch before the first half retires (5-7% slower), the next block's MMAs
+ * before the second half's promotion (ptxas serializes them, C7514; with a
+ * second accumulator set for the second half, spills and 10% slower).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
