@@ -452,11 +452,13 @@ struct Kern {
   }
 
   /* ---- the decode, shared by both K loops ---- */
-  /* A row's scale bytes of one block in record R (4 in mode 1's records,
-   * in .x; 8 otherwise). */
-  static __device__ __forceinline__ uint2 row_scales(const uint8_t *R, int r) {
-    if (CM::kG32) return make_uint2(*(const uint32_t *)(R + 4096 + r * 4), 0u);
-    return *(const uint2 *)(R + 4096 + r * 8);
+  /* Scale bytes per row of a record's block: 4 in mode 1's records, 8
+   * otherwise; row r's start at byte 4096 + kRowScaleBytes * r. */
+  static constexpr int kRowScaleBytes = CM::kG32 ? 4 : 8;
+  /* A row's scale bytes at p (in .x only in mode 1's records). */
+  static __device__ __forceinline__ uint2 row_scales(const uint8_t *p) {
+    if (CM::kG32) return make_uint2(*(const uint32_t *)p, 0u);
+    return *(const uint2 *)p;
   }
   /* Fold-table entries (modes 1, 3, 4) of chunk ch of a row for the code
    * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both in
@@ -619,16 +621,13 @@ struct Kern {
 #pragma unroll
       for (int hh = 0; hh < 2; hh++) {
         const int r = r0 + 8 * hh;
-        const uint2 sb = row_scales(R, r);
+        const uint2 sb = row_scales(R + 4096 + kRowScaleBytes * r);
+        if (MODE == 2)
 #pragma unroll
-        for (int ch = 0; ch < 4; ch++) {
-          if (MODE == 2) {
-            sc[hh][2 * ch] = scale_pair(lut, sb, 2 * ch);
-            sc[hh][2 * ch + 1] = scale_pair(lut, sb, 2 * ch + 1);
-          } else {
-            fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
-          }
-        }
+          for (int s8 = 0; s8 < 8; s8++) sc[hh][s8] = scale_pair(lut, sb, s8);
+        else
+#pragma unroll
+          for (int ch = 0; ch < 4; ch++) fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
         if (!ONE && MODE != 2) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
       }
     };
@@ -788,7 +787,7 @@ struct Kern {
          * modes spilled). */
         constexpr bool kPin = CPS == 2 && !C::kF16;
         uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
-        uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * (C::kG32 ? 4 : 8);  /* scales */
+        uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * kRowScaleBytes;     /* scales */
         uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
         uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
         /* the token column that sS points at */
@@ -826,9 +825,8 @@ struct Kern {
   #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
               const int r = r0 + 8 * hh;
-              if (!kPin) sb[j][hh] = row_scales(R, r);
-              else if (C::kG32) sb[j][hh] = make_uint2(*(const uint32_t *)(R + o_s + 32 * hh), 0u);
-              else sb[j][hh] = *(const uint2 *)(R + o_s + 64 * hh);
+              sb[j][hh] = row_scales(R + (kPin ? o_s + 8 * kRowScaleBytes * hh
+                                               : 4096 + kRowScaleBytes * r));
               if (kScaleTable)
   #pragma unroll
                 for (int s8 = 0; s8 < 8; s8++) sc[kScaleTable ? j : 0][hh][s8] = scale_pair(lut, sb[j][hh], s8);
