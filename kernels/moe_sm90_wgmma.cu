@@ -19,7 +19,11 @@
  * rows than that gets 64-wide tiles ("mixed tiles"), so its weights are
  * decoded once per 64 of its tokens. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
- * halves in turn (Kern::kWide). In the decode regime of the FP8 modes the grid
+ * halves in turn (Kern::kWide). The FP8 modes' prefill runs a launch pair per
+ * GEMM: 160-wide tiles (two m64n80 halves) for the experts whose rows they
+ * cover with less waste (129-160 rows: one tile instead of two), 128-wide
+ * ones for the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In
+ * the decode regime of the FP8 modes the grid
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; the 64-wide accumulators do not fit their registers).
  * With 64-wide tiles (and 128-wide ones in the F16 modes) the two consumer
@@ -107,7 +111,7 @@ struct Cfg {
   static constexpr int kRefOff = 4096 + 64 * kG;
   /* records per stage: the unit's 4 m64 tiles, or with 128-wide token
    * tiles the 2 of one half of the unit (Kern::kHalves) */
-  static constexpr int kRecs = BN == 128 ? 2 : 4;
+  static constexpr int kRecs = BN >= 128 ? 2 : 4;
   static constexpr int kA = kRecs * kRec;
   static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
   static constexpr int kB = kF16 ? 2 * kSlab : kSlab;
@@ -127,7 +131,7 @@ struct Smem {
   /* L1: BN tokens x 128 channels; L2: BN tokens x the output columns of
    * one pass (256, or 128 per half with 128-wide tiles), BF16 */
   static constexpr int kStaging =
-      GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * (BN == 128 ? 128 : 256) * 2;
+      GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * (BN >= 128 ? 128 : 256) * 2;
   static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
                                 4 * kConsumers * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
@@ -157,6 +161,10 @@ struct Params {
   const int32_t *offsets;
   int E, rows, K, Mp, M;
   int mixed;             /* 64-wide tiles for experts with more than BS rows */
+  int width_class;       /* 0: every expert; 1 / 2: only those that wide_tiles
+                            gives 128- / 160-wide tiles (a launch pair) */
+  int pair_role;         /* 0: a single launch; 1 / 2: the first / second of a
+                            launch pair (Kern::produce) */
   const float *row_weight;
   float clamp;
   uint8_t *act;          /* L1 out: [Mp][I] FP8 or F16 */
@@ -300,16 +308,20 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 #define MM_ACC_16(d) MM_ACC8(d, 0)
 #define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
 #define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
+#define MM_ACC_80(d) MM_ACC_64(d), MM_ACC8(d, 32)
 #define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define MM_D_64 \
   MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MM_D_80 MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
 #define MM_AB_64 "{%32, %33, %34, %35}, %36"
+#define MM_AB_80 "{%40, %41, %42, %43}, %44"
 #define MM_SCALE_16 "%13"
 #define MM_SCALE_32 "%21"
 #define MM_SCALE_64 "%37"
+#define MM_SCALE_80 "%45"
 #define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
   template <>                                                                            \
   __device__ __forceinline__ void mma<FP8, N>(float (&d)[N / 2], uint32_t a0, uint32_t a1, \
@@ -327,6 +339,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
 MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
+MM_WGMMA(1, 80, "k32.f32.e4m3.e4m3", "") /* the FP8 modes' 160-wide loop: two n80 halves */
 #undef MM_WGMMA_N
 #undef MM_WGMMA
 
@@ -343,6 +356,14 @@ template <int BS, bool kMixed>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
   return kMixed && mixed && m > BS ? 64 : BS;
 }
+/* The FP8 modes' prefill runs two launches per GEMM, 160- and 128-wide
+ * tiles, and each expert takes the width that covers its rows at less cost
+ * (mm_sm90_wide_tiles, layout_sm90.h). */
+/* Whether this launch runs expert e's m rows (Params::width_class). */
+__device__ __forceinline__ bool in_class(int m, int width_class) {
+  return width_class == 0 || (width_class == 2) == (mm_sm90_wide_tiles(m) != 0);
+}
+
 /* Walks this CTA's work units: returns false when done. */
 template <int BS, bool kMixed>
 __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int mixed,
@@ -417,7 +438,7 @@ struct Kern {
    * tiles' accumulators of 128 columns would not fit the registers; the L1
    * epilogue keeps the first half's SwiGLU outputs in registers until the
    * second half completes the 128 channels of its FP8 scale. */
-  static constexpr bool kWide = BS == 128;
+  static constexpr bool kWide = BS >= 128;
   static constexpr int kHalves = kWide ? 2 : 1;
   static constexpr int TPW = kWide ? 1 : kTilesPerWg;
   static_assert(CM::kRecs == kConsumers * TPW, "records per stage");
@@ -535,19 +556,27 @@ struct Kern {
    * while that one finishes. Only the token side comes from it, so the
    * first pass over the ring copies weights at once and the token tiles
    * after griddepcontrol.wait (which makes the previous kernel's writes
-   * visible); the consumers only read what these copies bring. */
+   * visible); the consumers only read what these copies bring.
+   * The launch pair (Params::pair_role): the first launch lets the second
+   * one start only after its own wait (the trigger in catch_up), so that
+   * the second one's token tiles, which come from the same earlier kernels,
+   * are complete when it starts: it copies them at once and runs beside the
+   * first launch's last units. It waits for the first launch at its end, so
+   * that the next kernel, which waits for it, sees both launches' results. */
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
                                                  const CUtensorMap *tmB, const CUtensorMap *tmS,
                                                  const CUtensorMap *tmBL, const CUtensorMap *tmSL) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int KB = p.K / 128;
-    int stage = 0, e = 0, early = 0; /* early: first-pass stages without their tokens */
+    /* early: first-pass stages without their tokens (-1: none) */
+    int stage = 0, e = 0, early = p.pair_role == 2 ? -1 : 0;
     uint32_t phase = 0;
     Unit un;
     /* token copies of the first `early` stages, walked again from the start */
     auto catch_up = [&]() {
       asm volatile("griddepcontrol.wait;" ::: "memory");
+      if (p.pair_role == 1) asm volatile("griddepcontrol.launch_dependents;");
       int e2 = 0, n = 0;
       Unit u2;
       for (int u = blockIdx.x;
@@ -582,24 +611,28 @@ struct Kern {
       }
     }
     if (early >= 0) catch_up();
+    else if (p.pair_role == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
   }
 
-  /* The K loop of one 128-wide tile, decoding ahead: block kb + 1's records
+  /* The K loop of one 128- or 160-wide tile, decoding ahead: block kb + 1's records
    * are fetched and decoded while block kb is promoted, in one straight
    * stretch of code, so that the decode's byte permutes and table loads (ALU
    * pipe, shared memory) overlap the promotion's FMAs; block kb + 1's MMAs
    * then issue together from four ready A buffers, in two groups (token
-   * columns 0-63, 64-127) so that the first half's promotion runs beside the
-   * second half's MMAs. FP8 modes: 2-4% faster than decoding each chunk
+   * columns 0-63 and 64-127, or 0-79 and 80-159) so that the first half's
+   * promotion runs beside the second half's MMAs. FP8 modes: 2-4% faster than decoding each chunk
    * before its MMA (docs/PERF.md, version 7), the halves 3-4% more (version
    * 8). F16 modes, with turns (kPingPong): mode 4 5-6% and mode 2 2-4%
    * faster than the chunked loop with turns (version 9). fin / acc: the
    * tile's promoted and block accumulators. With ONE the promotion skips the
    * reference multiply (x * 1.0f == x: the same sums bit for bit). */
+  template <int BN>
   static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
                                                       int c, int &stage, uint32_t &phase,
-                                                      float (&fin)[64], float (&acc)[64]) {
-    using C = Cfg<MODE, 128>;
+                                                      float (&fin)[BN / 2], float (&acc)[BN / 2]) {
+    using C = Cfg<MODE, BN>;
+    constexpr int NH = BN / 2;  /* token columns per half */
+    constexpr int NP = BN / 16; /* promotion parts of 8 registers */
     constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
     static_assert(MODE != 2 || kScaleTable, "mode 2's scale pairs come from the table");
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
@@ -637,25 +670,26 @@ struct Kern {
         decode_word(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], sc[rr][2 * ch],
                     sc[rr][2 * ch + 1], rr, a[ch]);
     };
-    /* registers [16 part, 16 part + 16) of the block in the stage's tile */
+    /* registers [8 part, 8 part + 8) of the block in the stage's tile */
     auto promote = [&](int part) {
       const float *sS = (const float *)(sm + S::kOffS + stage * C::kS) + (un.tok0 & 3);
 #pragma unroll
-      for (int ii = 0; ii < 16; ii++) {
-        const int i = 16 * part + ii, k = (i >> 2) * 2 + (i & 1);
+      for (int ii = 0; ii < 8; ii++) {
+        const int i = 8 * part + ii, k = (i >> 2) * 2 + (i & 1);
         const float t = token_factor(sS[acc_col(k, q)]);
         fin[i] = fmaf(acc[i], with_ref(t, sw[(i >> 1) & 1]), fin[i]);
       }
     };
     /* The block's MMAs in two groups, one per half of the token columns:
      * registers [0, 32) of the m64n128 fragment hold columns [0, 64) and
-     * [32, 64) columns [64, 128), each as an m64n64 fragment. The first half
+     * [32, 64) columns [64, 128), each as an m64n64 fragment (160-wide:
+     * [0, 40) and [40, 80), m64n80). The first half
      * is promoted while the second half's MMAs run, where the warps would
      * otherwise wait for all of them: mode 1 3-4% faster (docs/PERF.md,
      * version 8); one group of m64n128 MMAs ran mode 4 5-7% and mode 2 3-4%
      * slower (version 9). */
-    float(&acc_lo)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
-    float(&acc_hi)[32] = *reinterpret_cast<float(*)[32]>(&acc[32]);
+    float(&acc_lo)[NH / 2] = *reinterpret_cast<float(*)[NH / 2]>(&acc[0]);
+    float(&acc_hi)[NH / 2] = *reinterpret_cast<float(*)[NH / 2]>(&acc[NH / 2]);
     auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs (F16: 2 x 8) */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
       if (kPingPong) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
@@ -671,8 +705,8 @@ struct Kern {
              * slabs); token rows 64.. start 64 x 128 bytes into a slab */
             const int s = kSteps * ch + ss;
             const uint64_t d =
-                dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32 + hf * 64 * 128) >> 4);
-            mma<!C::kF16, 64>(hf ? acc_hi : acc_lo, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2],
+                dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32 + hf * NH * 128) >> 4);
+            mma<!C::kF16, NH>(hf ? acc_hi : acc_lo, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2],
                               a[ch][ss][3], d, s > 0);
           }
         wg_commit();
@@ -708,14 +742,16 @@ struct Kern {
       mbar_wait(&full[next], next == 0 ? phase ^ 1 : phase);
       retire_lo();
       fetch(next);
-      promote(0); /* beside the second half's MMAs */
-      promote(1);
+#pragma unroll
+      for (int pp = 0; pp < NP / 2; pp++) promote(pp); /* beside the second half's MMAs */
       retire();
       /* the A registers are free: one stretch, the compiler interleaves them */
-      promote(2);
+#pragma unroll
+      for (int pp = NP / 2; pp < NP / 2 + (NP / 2 + 1) / 2; pp++) promote(pp);
       decode(0);
       decode(1);
-      promote(3);
+#pragma unroll
+      for (int pp = NP / 2 + (NP / 2 + 1) / 2; pp < NP; pp++) promote(pp);
       decode(2);
       decode(3);
       release();
@@ -725,7 +761,7 @@ struct Kern {
     issue();
     retire();
 #pragma unroll
-    for (int part = 0; part < 4; part++) promote(part);
+    for (int part = 0; part < NP; part++) promote(part);
     release();
   }
 
@@ -775,8 +811,8 @@ struct Kern {
       };
       if (kEarly) load_factors();
 
-      if constexpr (BN == 128) {
-        k_loop_ahead(p, sm, un, c, stage, phase, fin[0], acc[0]);
+      if constexpr (BN >= 128) {
+        k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else {
         /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
          * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
@@ -1056,8 +1092,9 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   const int wg = threadIdx.x / 128;
   const int E = p.E, RB = p.rows / kRowsCta;
   /* the next kernel (L2 after L1) may launch now: its CTAs take SMs as ours
-   * leave and wait for our results in griddepcontrol.wait */
-  if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;");
+   * leave and wait for our results in griddepcontrol.wait (the first of a
+   * launch pair triggers later, Kern::produce) */
+  if (threadIdx.x == 0 && p.pair_role != 1) asm volatile("griddepcontrol.launch_dependents;");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; s++) {
@@ -1074,7 +1111,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
       int n = 0;
       if (e < E) {
         const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed>(m, p.mixed);
-        n = (m + bn - 1) / bn * RB;
+        n = in_class(m, p.width_class) ? (m + bn - 1) / bn * RB : 0;
       }
       int x = n; /* inclusive scan over the lanes */
 #pragma unroll
@@ -1282,7 +1319,37 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
   return NULL;
 }
 
-template <int MODE, int BS, int CPS>
+/* One GEMM's launches: BS-wide tiles, or with BS2 (the FP8 modes' prefill
+ * pair) a launch of BS2-wide tiles and then one of BS-wide tiles, each
+ * taking the experts of its width class (mm_sm90_wide_tiles). The wide one
+ * goes first: where no expert takes it (even loads of a multiple of 128
+ * rows), its CTAs find no units and leave as soon as the kernel before it
+ * has finished, a few microseconds (measured 1-3% at such loads). The second
+ * starts beside the first one's last units, and the next GEMM waits for both
+ * (Kern::produce). one: the matrix's references are all 0 (Kern's ONE
+ * kernels, modes 1 and 4). */
+template <int MODE, int GEMM, int BS, int CPS, int BS2>
+mm_err *launch_gemm(Params p, bool one, const TileMaps &m, const TileMaps &m2, int max_ctas,
+                    cudaStream_t st) {
+  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
+  if constexpr (BS2 != 0) {
+    p.width_class = 2;
+    p.pair_role = 1;
+    if (kOneKernels && one)
+      MM_TRY((launch<MODE, GEMM, BS2, CPS, kOneKernels>(p, m2, max_ctas, st)));
+    else
+      MM_TRY((launch<MODE, GEMM, BS2, CPS>(p, m2, max_ctas, st)));
+    p.width_class = 1;
+    p.pair_role = 2;
+  }
+  if (kOneKernels && one)
+    MM_TRY((launch<MODE, GEMM, BS, CPS, kOneKernels>(p, m, max_ctas, st)));
+  else
+    MM_TRY((launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st)));
+  return NULL;
+}
+
+template <int MODE, int BS, int CPS, int BS2 = 0>
 mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                  const mm_sm90_ws *ws, const Overrides &o, cudaStream_t st) {
   const bool f16 = Cfg<MODE, BS>::kF16, mixed = Kern<MODE, 1, BS, CPS>::kMixed;
@@ -1296,10 +1363,14 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
    * whatever the caller left there; they only feed token columns that are
    * never stored. */
   uint16_t *x16 = f16 ? pool->out : NULL;
-  TileMaps m1, m2;
-  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, f16 ? (const void *)x16 : (const void *)pool->x, H,
-                        M, ws->xs_t, Mp));
+  TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
+  const void *x1 = f16 ? (const void *)x16 : (const void *)pool->x;
+  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, x1, H, M, ws->xs_t, Mp));
   MM_TRY(make_tile_maps(&m2, f16, mixed, BS, ws->act, I, Mp, ws->as_t, Mp));
+  if (BS2) {
+    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, x1, H, M, ws->xs_t, Mp));
+    MM_TRY(make_tile_maps(&m2w, f16, false, BS2, ws->act, I, Mp, ws->as_t, Mp));
+  }
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
       pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
@@ -1326,20 +1397,13 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.K = H;
   /* modes 1 and 4 (mode 1's records): the kernels without the reference
    * multiply where every reference of the matrix is 0 (Kern's ONE) */
-  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
-  if (kOneKernels && L->refs_zero13)
-    MM_TRY((launch<MODE, 1, BS, CPS, kOneKernels>(p, m1, o.max_ctas, st)));
-  else
-    MM_TRY((launch<MODE, 1, BS, CPS>(p, m1, o.max_ctas, st)));
+  MM_TRY((launch_gemm<MODE, 1, BS, CPS, BS2>(p, L->refs_zero13, m1, m1w, o.max_ctas, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
   p.rs = L->d_rs2;
   p.rows = H;
   p.K = I;
-  if (kOneKernels && L->refs_zero2)
-    MM_TRY((launch<MODE, 2, BS, CPS, kOneKernels>(p, m2, o.max_ctas, st)));
-  else
-    MM_TRY((launch<MODE, 2, BS, CPS>(p, m2, o.max_ctas, st)));
+  MM_TRY((launch_gemm<MODE, 2, BS, CPS, BS2>(p, L->refs_zero2, m2, m2w, o.max_ctas, st)));
   return NULL;
 }
 
@@ -1369,15 +1433,25 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
    * decode's latency, measured 2-10% faster on even loads (8 and 16 rows
    * per expert), but 15% slower at 8 rows when one expert takes half of
-   * them (docs/PERF.md). */
+   * them (docs/PERF.md). The FP8 modes' 128-wide choice runs the launch
+   * pair (run_mode's BS2): each expert gets 128- or 160-wide tiles,
+   * whichever covers its rows with less waste (mm_sm90_wide_tiles). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int cps = fp8 && avg <= 16 ? 2 : 1;
+  bool pair = fp8 && bn == 128;
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
-  if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128)) bn = atoi(v);
+  if (v && !strcmp(v, "128+160")) {
+    bn = 128;
+    pair = fp8;
+  } else if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128 ||
+                   atoi(v) == 160)) {
+    bn = atoi(v);
+    pair = false;
+  }
   v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
   v = getenv("MEGAMOE_SM90_MIXED_TILES");
@@ -1387,17 +1461,20 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   v = getenv("MEGAMOE_SM90_GRID");
   o.max_ctas = v ? atoi(v) : 0;
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
-#define MM_RUN_BN(m)                                                                   \
+  if (bn == 160 && !fp8) bn = 128; /* 160-wide tiles: the FP8 modes only */
+#define MM_RUN_BN(m, WIDE)                                                             \
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
                               : run_mode<m, 16, 1>(L, pool, clamp, ws, o, stream))     \
          : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream)                \
          : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream)                \
-                    : run_mode<m, 128, 1>(L, pool, clamp, ws, o, stream)
+         : bn == 128 ? (pair ? run_mode<m, 128, 1, WIDE>(L, pool, clamp, ws, o, stream) \
+                             : run_mode<m, 128, 1>(L, pool, clamp, ws, o, stream))     \
+                     : run_mode<m, WIDE ? WIDE : 128, 1>(L, pool, clamp, ws, o, stream)
   switch (L->mode) {
-    case MM_WMODE_G32_FP8: MM_RUN_BN(1);
-    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
-    case MM_WMODE_G32_F16_EXACT: MM_RUN_BN(4);
-    default: MM_RUN_BN(3);
+    case MM_WMODE_G32_FP8: MM_RUN_BN(1, 160);
+    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2, 0);
+    case MM_WMODE_G32_F16_EXACT: MM_RUN_BN(4, 0);
+    default: MM_RUN_BN(3, 160);
   }
 #undef MM_RUN_BN
 }

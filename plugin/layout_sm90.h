@@ -197,6 +197,17 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
   return w;
 }
 
+/* The FP8 modes' prefill tiles: 1 where an expert of m rows takes 160-wide
+ * token tiles rather than 128-wide ones. A 160-wide work unit costs about
+ * 1.21 of a 128-wide one on the H200 (docs/PERF.md, version 10), and the
+ * wider tiles need their own launch, so 160 is taken where the estimate
+ * saves at least a tenth: 129-160 rows take one 160-wide tile instead of
+ * two 128-wide ones and 257-320 two instead of three; 128, 256, 480 or
+ * 1056 rows stay with 128. */
+MM_SM90_HD int mm_sm90_wide_tiles(int m) {
+  return m > 0 && 121 * ((m + 159) / 160) <= 90 * ((m + 127) / 128);
+}
+
 /* Builds the fold table (MM_SM90_LUT_ENTRIES x 8 bytes). */
 void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
 

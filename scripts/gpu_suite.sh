@@ -62,7 +62,8 @@ if [[ " $steps " == *" tests "* ]]; then
     run_test "$(basename "$t")" "$out/$(basename "$t").log" "$t"
   done
   # The compute kernels' launch shapes that the test's own sizes do not
-  # choose, forced (quick set): every token tile, mixed tiles off, one and
+  # choose, forced (quick set): every token tile (128+160: the FP8 modes'
+  # launch pair at every size), mixed tiles off, one and
   # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
   # pipeline ring wraps; the test's sizes alone never wrap it; with 64- and
   # 128-wide tiles the consumer warpgroups' turns run through many units).
@@ -71,11 +72,11 @@ if [[ " $steps " == *" tests "* ]]; then
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then
     for v in TOKEN_TILE=16 TOKEN_TILE=32 TOKEN_TILE=64 TOKEN_TILE=128 "TOKEN_TILE=16 MIXED_TILES=0" \
       "TOKEN_TILE=16 CTAS_PER_SM=2" "TOKEN_TILE=16 CTAS_PER_SM=1" GRID=3 "TOKEN_TILE=64 GRID=3" \
-      "TOKEN_TILE=128 GRID=3"; do
+      "TOKEN_TILE=128 GRID=3" TOKEN_TILE=160 TOKEN_TILE=128+160 "TOKEN_TILE=128+160 GRID=3"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
       # log names without '=': the device tool does not bring those back
-      run_test "gpu_test_moe_compute ${v// /,}" "$out/gpu_test_moe_compute.${v//[ =]/_}.log" "$t" \
+      run_test "gpu_test_moe_compute ${v// /,}" "$out/gpu_test_moe_compute.${v//[ =+]/_}.log" "$t" \
         MEGAMOE_TEST_QUICK=1 "${envs[@]}"
     done
   fi

@@ -459,6 +459,9 @@ static const int k_counts_a[] = {5, 0, 70};
 static const int k_counts_all[] = {0, 0, 200, 0};
 static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
+/* both widths of the FP8 modes' prefill pair in one call: 150 and 140 rows
+ * take one 160-wide tile, 3 and 70 a 128-wide one (mm_sm90_wide_tiles) */
+static const int k_counts_pair[] = {150, 3, 70, 0, 140};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
@@ -467,13 +470,14 @@ static const shape k_shapes[] = {
     {256, 128, 32, NULL, 9, 0.0f, 0, 0, 0},
     {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0, 0},
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 37},
+    {256, 128, 5, k_counts_pair, 0, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
-  /* MEGAMOE_TEST_QUICK (sanitizer runs): two shapes per mode */
+  /* MEGAMOE_TEST_QUICK (sanitizer runs): four shapes per mode */
   const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
-    if (!quick || i == 0 || i == 3 || i == 5) run_case(mode, &k_shapes[i]);
+    if (!quick || i == 0 || i == 3 || i == 5 || i == 6) run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }

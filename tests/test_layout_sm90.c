@@ -417,6 +417,27 @@ static void test_pow2_edges(void) {
   CHECK(isinf(mm_sm90_pow2(300)) && mm_sm90_pow2(300) > 0.0f);
 }
 
+/* The FP8 prefill's tile widths per expert (the kernels' launch pair): the
+ * widths that waste less, and 128 where 160 saves under a tenth. */
+static void test_wide_tiles(void) {
+  static const struct {
+    int m, wide;
+  } k[] = {{0, 0},   {1, 0},    {64, 0},   {128, 0},   {129, 1},    {144, 1},
+           {160, 1}, {161, 0},  {256, 0},  {257, 1},   {300, 1},    {320, 1},
+           {321, 0}, {480, 0},  {528, 0},  {1024, 0},  {1056, 0},   {2048, 0},
+           {2080, 0}, {16384, 0}, {16416, 0}};
+  for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++) {
+    if (mm_sm90_wide_tiles(k[i].m) != k[i].wide) fprintf(stderr, "# m = %d\n", k[i].m);
+    CHECK_EQ_INT(mm_sm90_wide_tiles(k[i].m), k[i].wide);
+  }
+  /* the rule over a range: 160 only where 1.21 of its tile count is at
+   * most 0.9 of the 128-wide count */
+  for (int m = 1; m <= 20000; m++) {
+    const int n128 = (m + 127) / 128, n160 = (m + 159) / 160;
+    CHECK_EQ_INT(mm_sm90_wide_tiles(m), 121 * n160 <= 90 * n128);
+  }
+}
+
 static void test_gate_up_order(void) {
   const int I = 96 * 2, rows = 2 * I;
   for (int c = 0; c < I; c++) {
@@ -430,6 +451,7 @@ int main(void) {
   RUN(test_pow2_edges);
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
+  RUN(test_wide_tiles);
   RUN(test_mode4_kperm);
   RUN(test_mode4_f16_high_bytes);
   RUN(test_weight_mode_selection);
