@@ -62,7 +62,12 @@
  * moved to shared memory to make room (7-15% slower), the next block's
  * fetch before the first half retires (5-7% slower), the next block's MMAs
  * before the second half's promotion (ptxas serializes them, C7514; with a
- * second accumulator set for the second half, spills and 10% slower).
+ * second accumulator set for the second half, spills and 10% slower); for
+ * loads that are not a multiple of 128 rows per expert (version 10): 128-wide
+ * tiles inside the 16/32-wide mixed kernels and 64-wide tail tiles inside the
+ * 128-wide ones (a third code path made either kernel slower), a half-empty
+ * tile skipping its second half's MMAs or running a first-half-only loop (it
+ * still costs 0.93 of a full one).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
