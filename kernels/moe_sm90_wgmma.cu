@@ -19,17 +19,17 @@
  * rows than that gets 64-wide tiles ("mixed tiles"), so its weights are
  * decoded once per 64 of its tokens. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
- * halves in turn (Kern::kWide). The FP8 modes' prefill runs a launch pair per
- * GEMM: 160-wide tiles (two m64n80 halves) for the experts whose rows they
- * cover with less waste (129-160 rows: one tile instead of two), 128-wide
- * ones for the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In
- * the decode regime of the FP8 modes the grid
- * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
- * decode's latency; the 64-wide accumulators do not fit their registers).
- * With 64-wide tiles (and 128-wide ones in the F16 modes) the two consumer
- * warpgroups take turns issuing their MMAs (Kern::kPingPong). 128-wide tiles
- * decode one K block ahead (Kern::k_loop_ahead): block kb + 1's decode runs
- * beside block kb's promotion. In modes 1 and 4 (mode 1's
+ * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
+ * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
+ * with less waste (129-160 rows: one tile instead of two), 128-wide ones for
+ * the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In the decode
+ * regime of the FP8 modes the grid runs two CTAs per SM with 16-wide tiles
+ * only (more warps to hide the decode's latency; the 64-wide accumulators do
+ * not fit their registers). With 64-wide tiles (and 128- and 160-wide ones in
+ * the F16 modes) the two consumer warpgroups take turns issuing their MMAs
+ * (Kern::kPingPong). 128- and 160-wide tiles decode one K block ahead
+ * (Kern::k_loop_ahead): block kb + 1's decode runs beside block kb's
+ * promotion. In modes 1 and 4 (mode 1's
  * records), matrices whose references are all 0 (the packer's row anchor)
  * run kernels that promote without the reference multiply and its loads
  * (Kern's ONE), at every tile width.
@@ -344,7 +344,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
 MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
-MM_WGMMA(1, 80, "k32.f32.e4m3.e4m3", "") /* the FP8 modes' 160-wide loop: two n80 halves */
+MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 #undef MM_WGMMA_N
 #undef MM_WGMMA
 
@@ -361,10 +361,10 @@ template <int BS, bool kMixed>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
   return kMixed && mixed && m > BS ? 64 : BS;
 }
-/* The FP8 modes' prefill runs two launches per GEMM, 160- and 128-wide
- * tiles, and each expert takes the width that covers its rows at less cost
+/* Whether this launch runs an expert of m rows (Params::width_class): at
+ * prefill each GEMM runs two launches, 160- and 128-wide tiles, and each
+ * expert takes the width that covers its rows at less cost
  * (mm_sm90_wide_tiles, layout_sm90.h). */
-/* Whether this launch runs expert e's m rows (Params::width_class). */
 __device__ __forceinline__ bool in_class(int m, int width_class) {
   return width_class == 0 || (width_class == 2) == (mm_sm90_wide_tiles(m) != 0);
 }
@@ -619,8 +619,8 @@ struct Kern {
     else if (p.pair_role == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
   }
 
-  /* The K loop of one 128- or 160-wide tile, decoding ahead: block kb + 1's records
-   * are fetched and decoded while block kb is promoted, in one straight
+  /* The K loop of one 128- or 160-wide tile, decoding ahead: block kb + 1's
+   * records are fetched and decoded while block kb is promoted, in one straight
    * stretch of code, so that the decode's byte permutes and table loads (ALU
    * pipe, shared memory) overlap the promotion's FMAs; block kb + 1's MMAs
    * then issue together from four ready A buffers, in two groups (token
@@ -1324,7 +1324,7 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
   return NULL;
 }
 
-/* One GEMM's launches: BS-wide tiles, or with BS2 (the FP8 modes' prefill
+/* One GEMM's launches: BS-wide tiles, or with BS2 (the prefill
  * pair) a launch of BS2-wide tiles and then one of BS-wide tiles, each
  * taking the experts of its width class (mm_sm90_wide_tiles). The wide one
  * goes first: where no expert takes it (even loads of a multiple of 128
@@ -1438,7 +1438,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
    * decode's latency, measured 2-10% faster on even loads (8 and 16 rows
    * per expert), but 15% slower at 8 rows when one expert takes half of
-   * them (docs/PERF.md). The FP8 modes' 128-wide choice runs the launch
+   * them (docs/PERF.md). The 128-wide choice runs the launch
    * pair (run_mode's BS2): each expert gets 128- or 160-wide tiles,
    * whichever covers its rows with less waste (mm_sm90_wide_tiles). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
@@ -1446,12 +1446,12 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int cps = fp8 && avg <= 16 ? 2 : 1;
-  bool pair = fp8 && bn == 128;
+  bool pair = bn == 128;
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
   if (v && !strcmp(v, "128+160")) {
     bn = 128;
-    pair = fp8;
+    pair = true;
   } else if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128 ||
                    atoi(v) == 160)) {
     bn = atoi(v);
@@ -1466,20 +1466,19 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   v = getenv("MEGAMOE_SM90_GRID");
   o.max_ctas = v ? atoi(v) : 0;
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
-  if (bn == 160 && !fp8) bn = 128; /* 160-wide tiles: the FP8 modes only */
-#define MM_RUN_BN(m, WIDE)                                                             \
+#define MM_RUN_BN(m)                                                                   \
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
                               : run_mode<m, 16, 1>(L, pool, clamp, ws, o, stream))     \
          : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream)                \
          : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream)                \
-         : bn == 128 ? (pair ? run_mode<m, 128, 1, WIDE>(L, pool, clamp, ws, o, stream) \
+         : bn == 128 ? (pair ? run_mode<m, 128, 1, 160>(L, pool, clamp, ws, o, stream)  \
                              : run_mode<m, 128, 1>(L, pool, clamp, ws, o, stream))     \
-                     : run_mode<m, WIDE ? WIDE : 128, 1>(L, pool, clamp, ws, o, stream)
+                     : run_mode<m, 160, 1>(L, pool, clamp, ws, o, stream)
   switch (L->mode) {
-    case MM_WMODE_G32_FP8: MM_RUN_BN(1, 160);
-    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2, 0);
-    case MM_WMODE_G32_F16_EXACT: MM_RUN_BN(4, 0);
-    default: MM_RUN_BN(3, 160);
+    case MM_WMODE_G32_FP8: MM_RUN_BN(1);
+    case MM_WMODE_G16_BF16_EXACT: MM_RUN_BN(2);
+    case MM_WMODE_G32_F16_EXACT: MM_RUN_BN(4);
+    default: MM_RUN_BN(3);
   }
 #undef MM_RUN_BN
 }

@@ -197,7 +197,7 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
   return w;
 }
 
-/* The FP8 modes' prefill tiles: 1 where an expert of m rows takes 160-wide
+/* The prefill's token tiles: 1 where an expert of m rows takes 160-wide
  * token tiles rather than 128-wide ones. A 160-wide work unit costs about
  * 1.21 of a 128-wide one on the H200 (docs/PERF.md, version 10), and the
  * wider tiles need their own launch, so 160 is taken where the estimate

@@ -62,8 +62,8 @@ if [[ " $steps " == *" tests "* ]]; then
     run_test "$(basename "$t")" "$out/$(basename "$t").log" "$t"
   done
   # The compute kernels' launch shapes that the test's own sizes do not
-  # choose, forced (quick set): every token tile (128+160: the FP8 modes'
-  # launch pair at every size), mixed tiles off, one and
+  # choose, forced (quick set): every token tile (128+160: the launch pair
+  # at every size), mixed tiles off, one and
   # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
   # pipeline ring wraps; the test's sizes alone never wrap it; with 64- and
   # 128-wide tiles the consumer warpgroups' turns run through many units).

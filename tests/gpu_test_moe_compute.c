@@ -459,7 +459,7 @@ static const int k_counts_a[] = {5, 0, 70};
 static const int k_counts_all[] = {0, 0, 200, 0};
 static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
-/* both widths of the FP8 modes' prefill pair in one call: 150 and 140 rows
+/* both widths of the prefill's launch pair in one call: 150 and 140 rows
  * take one 160-wide tile, 3 and 70 a 128-wide one (mm_sm90_wide_tiles) */
 static const int k_counts_pair[] = {150, 3, 70, 0, 140};
 
