@@ -166,8 +166,9 @@ struct Params {
   const int32_t *offsets;
   int E, rows, K, Mp, M;
   int mixed;             /* 64-wide tiles for experts with more than BS rows */
-  int width_class;       /* 0: every expert; 1 / 2: only those that wide_tiles
-                            gives 128- / 160-wide tiles (a launch pair) */
+  int width_class;       /* 0: every expert; 1 / 2: only those that
+                            mm_sm90_wide_tiles gives 128- / 160-wide tiles
+                            (a launch pair) */
   int pair_role;         /* 0: a single launch; 1 / 2: the first / second of a
                             launch pair (Kern::produce) */
   const float *row_weight;
@@ -638,6 +639,7 @@ struct Kern {
     using C = Cfg<MODE, BN>;
     constexpr int NH = BN / 2;  /* token columns per half */
     constexpr int NP = BN / 16; /* promotion parts of 8 registers */
+    constexpr int kMid = NP / 2 + (NP / 2 + 1) / 2;
     constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
     static_assert(MODE != 2 || kScaleTable, "mode 2's scale pairs come from the table");
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
@@ -750,13 +752,14 @@ struct Kern {
 #pragma unroll
       for (int pp = 0; pp < NP / 2; pp++) promote(pp); /* beside the second half's MMAs */
       retire();
-      /* the A registers are free: one stretch, the compiler interleaves them */
+      /* the A registers are free: one stretch, the compiler interleaves them
+       * (the second half's parts in two runs, split at kMid) */
 #pragma unroll
-      for (int pp = NP / 2; pp < NP / 2 + (NP / 2 + 1) / 2; pp++) promote(pp);
+      for (int pp = NP / 2; pp < kMid; pp++) promote(pp);
       decode(0);
       decode(1);
 #pragma unroll
-      for (int pp = NP / 2 + (NP / 2 + 1) / 2; pp < NP; pp++) promote(pp);
+      for (int pp = kMid; pp < NP; pp++) promote(pp);
       decode(2);
       decode(3);
       release();
@@ -1324,6 +1327,15 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
   return NULL;
 }
 
+/* One kernel of BS-wide tiles: in modes 1 and 4 the ONE kernel where every
+ * reference of the matrix is 0 (one), else the one with references. */
+template <int MODE, int GEMM, int BS, int CPS>
+mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, cudaStream_t st) {
+  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
+  if (kOneKernels && one) return launch<MODE, GEMM, BS, CPS, kOneKernels>(p, m, max_ctas, st);
+  return launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st);
+}
+
 /* One GEMM's launches: BS-wide tiles, or with BS2 (the prefill
  * pair) a launch of BS2-wide tiles and then one of BS-wide tiles, each
  * taking the experts of its width class (mm_sm90_wide_tiles). The wide one
@@ -1331,27 +1343,18 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
  * rows), its CTAs find no units and leave as soon as the kernel before it
  * has finished, a few microseconds (measured 1-3% at such loads). The second
  * starts beside the first one's last units, and the next GEMM waits for both
- * (Kern::produce). one: the matrix's references are all 0 (Kern's ONE
- * kernels, modes 1 and 4). */
+ * (Kern::produce). one: the matrix's references are all 0 (launch_refs). */
 template <int MODE, int GEMM, int BS, int CPS, int BS2>
 mm_err *launch_gemm(Params p, bool one, const TileMaps &m, const TileMaps &m2, int max_ctas,
                     cudaStream_t st) {
-  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
   if constexpr (BS2 != 0) {
     p.width_class = 2;
     p.pair_role = 1;
-    if (kOneKernels && one)
-      MM_TRY((launch<MODE, GEMM, BS2, CPS, kOneKernels>(p, m2, max_ctas, st)));
-    else
-      MM_TRY((launch<MODE, GEMM, BS2, CPS>(p, m2, max_ctas, st)));
+    MM_TRY((launch_refs<MODE, GEMM, BS2, CPS>(p, one, m2, max_ctas, st)));
     p.width_class = 1;
     p.pair_role = 2;
   }
-  if (kOneKernels && one)
-    MM_TRY((launch<MODE, GEMM, BS, CPS, kOneKernels>(p, m, max_ctas, st)));
-  else
-    MM_TRY((launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st)));
-  return NULL;
+  return launch_refs<MODE, GEMM, BS, CPS>(p, one, m, max_ctas, st);
 }
 
 template <int MODE, int BS, int CPS, int BS2 = 0>
