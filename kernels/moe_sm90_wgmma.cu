@@ -67,7 +67,12 @@
  * tiles inside the 16/32-wide mixed kernels and 64-wide tail tiles inside the
  * 128-wide ones (a third code path made either kernel slower), a half-empty
  * tile skipping its second half's MMAs or running a first-half-only loop (it
- * still costs 0.93 of a full one).
+ * still costs 0.93 of a full one); 32-wide tiles with two CTAs per SM (with
+ * the epilogue factors loaded late their K loop fits 104 registers: no
+ * faster than one CTA per SM) and a double-buffered 16/32-wide FP8 loop
+ * (block kb + 1 decoded beside block kb's MMAs: mode 1 0-4% faster, mode 3
+ * up to 5% faster but its mixed kernels' 64-wide tiles 5-6% slower; version
+ * 11, branch proto/double-buffer-32).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -137,7 +142,8 @@ struct Smem {
    * one pass (256, or 128 per half with 128-wide tiles), BF16 */
   static constexpr int kStaging =
       GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * (BN >= 128 ? 128 : 256) * 2;
-  static constexpr int kFixed = 1024 /* align slack */ + MM_SM90_LUT_ENTRIES * 8 +
+  static constexpr int kFixed = 1024 /* align slack */ + 128 /* table alignment */ +
+                                MM_SM90_LUT_ENTRIES * 8 +
                                 4 * kConsumers * BN * 4 /* amax */ + kStaging +
                                 4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
@@ -146,7 +152,9 @@ struct Smem {
   static constexpr int kOffB = 0;
   static constexpr int kOffA = kStages * C::kB;
   static constexpr int kOffS = kOffA + kStages * C::kA;
-  static constexpr int kOffLut = kOffS + kStages * C::kS;
+  /* 256-aligned: in mode 1's records a fold-table address is the table's
+   * address with its low byte replaced by the scale byte (Kern::fold_entries) */
+  static constexpr int kOffLut = (kOffS + kStages * C::kS + 255) / 256 * 256;
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
   static constexpr int kOffStg = kOffRed + 4 * kConsumers * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
@@ -482,19 +490,27 @@ struct Kern {
   /* Scale bytes per row of a record's block: 4 in mode 1's records, 8
    * otherwise; row r's start at byte 4096 + kRowScaleBytes * r. */
   static constexpr int kRowScaleBytes = CM::kG32 ? 4 : 8;
-  /* A row's scale bytes at p (in .x only in mode 1's records). */
+  /* A row's scale bytes at p (in .x only in mode 1's records, there masked
+   * to multiples of 8 below 256: byte offsets into the compact fold table,
+   * which the packer's indices MM_SM90_LUT_INDEX(k, 0) are). */
   static __device__ __forceinline__ uint2 row_scales(const uint8_t *p) {
-    if (CM::kG32) return make_uint2(*(const uint32_t *)p, 0u);
+    if (CM::kG32) return make_uint2(*(const uint32_t *)p & 0xF8F8F8F8u, 0u);
     return *(const uint2 *)p;
   }
   /* Fold-table entries (modes 1, 3, 4) of chunk ch of a row for the code
    * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both in
-   * mode 1's records, two in mode 3's. The byte extract is one prmt,
-   * zero-filled from the 0 operand. */
+   * mode 1's records, two in mode 3's. Mode 1's records index the compact
+   * table (entry k at byte 8k, 256-aligned): one prmt puts the scale byte in
+   * the low byte of the table's address, and the load takes that address as
+   * is, without the shift-and-add of an index (modes 1 and 4 1-3% faster at
+   * M = 768-2048, docs/PERF.md version 11). Mode 3's byte extract is one
+   * prmt, zero-filled from the 0 operand. */
   static __device__ __forceinline__ void fold_entries(const uint2 *lut, uint2 sb, int ch,
                                                       uint2 &tlo, uint2 &thi) {
     if (CM::kG32) {
-      tlo = thi = lut[prmt(sb.x, 0, 0x4440 | ch)];
+      const uint32_t a = prmt(sb.x, (uint32_t)smem_u32(lut), 0x7650 | ch);
+      asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tlo.x), "=r"(tlo.y) : "r"(a));
+      thi = tlo;
     } else {
       const uint32_t v = ch < 2 ? sb.x : sb.y;
       tlo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
@@ -1134,9 +1150,16 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   }
   if (K::kScaleTable) /* mode 2: each E4M3 scale byte's F16 pair (s, s) */
     for (int i = threadIdx.x; i < 256; i += W::kThreads) ((uint32_t *)(sm + S::kOffLut))[i] = e4m3_pair(i);
-  if (MODE != 2) /* fold table: modes 1, 3, 4 */
-    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += W::kThreads) {
-      uint32_t v = ((const uint32_t *)p.lut)[i];
+  /* fold table: modes 1, 3, 4; in mode 1's records (modes 1, 4) only the
+   * entries (k, 0), 8 bytes apart, padded with zeros to 32 (the compact
+   * table, Kern::fold_entries) */
+  constexpr bool kCompact = Cfg<MODE, BS>::kG32;
+  constexpr int kLutWords = kCompact ? 64 : MM_SM90_LUT_ENTRIES * 2;
+  static_assert(MM_SM90_LUT_ENTRIES <= 32 * 8, "compact table: 32 entries (k, 0)");
+  if (MODE != 2)
+    for (int i = threadIdx.x; i < kLutWords; i += W::kThreads) {
+      const int src = kCompact ? (i >> 1) * 16 + (i & 1) : i; /* word of entry (k, 0) */
+      uint32_t v = src < MM_SM90_LUT_ENTRIES * 2 ? ((const uint32_t *)p.lut)[src] : 0u;
       /* mode 4: each entry, an E4M3 e2m1 * 2^s with at most one mantissa
        * bit, as the high byte of its F16 (exact: the low byte is 0 for every
        * entry mode 1's records index; test_layout_sm90 checks it) */

@@ -4,7 +4,8 @@
  * 4's K order against the PTX fragment layouts, the F16 high bytes mode 4's
  * kernels make of the fold table, the cuda backend's mode
  * choice, the workspace plan, extremes of both scale formats,
- * refusal of unfoldable UE8M0 blocks, the w13 gate/up order, and a bit-level
+ * refusal of unfoldable UE8M0 blocks, mode 1's scale bytes as compact-table
+ * offsets, the w13 gate/up order, and a bit-level
  * check of the thread-register word layout. */
 #include <math.h>
 #include <string.h>
@@ -79,6 +80,21 @@ static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mod
   free(rs);
 }
 
+/* Mode 1's scale bytes are fold-table indices (k, 0): multiples of 8 in
+ * [0, 8 * (KMAX - KMIN)]. The kernels rely on it: they use a byte as the
+ * byte offset of its entry in the compact table of the (k, 0) entries. */
+static void check_compact_indices(const uint8_t *blob, int rows, int cols) {
+  const size_t rec = mm_sm90_record_bytes(MM_WMODE_G32_FP8);
+  const size_t n = (size_t)(rows / 64) * (size_t)(cols / 128);
+  int bad = 0;
+  for (size_t r = 0; r < n; r++)
+    for (int i = 0; i < 64 * 4; i++) {
+      const int b = blob[r * rec + mm_sm90_scale_offset() + (size_t)i];
+      if (b % 8 || b > 8 * (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN)) bad++;
+    }
+  CHECK_EQ_INT(bad, 0);
+}
+
 static void test_g32_exact_random(void) {
   const int shapes[][2] = {{64, 128}, {128, 256}, {256, 384}};
   for (int s = 0; s < 3; s++) {
@@ -101,6 +117,7 @@ static void test_g32_exact_random(void) {
       float *rs = malloc(sizeof(float) * m.rows);
       double fe[2];
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, fe));
+      check_compact_indices(blob, m.rows, m.cols);
       int bad;
       compare_all(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, &bad);
       CHECK_EQ_INT(bad, 0);
@@ -127,6 +144,7 @@ static void test_g32_extremes(void) {
   uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 256));
   float rs[64];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
+  check_compact_indices(blob, 64, 256);
   int bad;
   compare_all(&m, MM_WMODE_G32_FP8, 0, blob, rs, &bad);
   CHECK_EQ_INT(bad, 0);
@@ -159,6 +177,7 @@ static void test_g32_row_anchor(void) {
   uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, rows, cols));
   float rs[64];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
+  check_compact_indices(blob, m.rows, m.cols);
   int bad;
   compare_all(&m, MM_WMODE_G32_FP8, 0, blob, rs, &bad);
   CHECK_EQ_INT(bad, 0);
