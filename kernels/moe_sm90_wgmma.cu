@@ -83,8 +83,9 @@
  * pair with one byte permute, so its k16 HGMMA steps see K in mm_sm90_kperm
  * order inside every 32-column block; its B operands (the prep kernel's F16
  * copy of x, the L1 epilogue's F16 intermediate) are stored in that order.
- * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 by its scales' F16 pairs, read
- * from a 256-entry shared table. */
+ * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 (its own code layout, one or
+ * two shifts and masks per pair: dec_h) by its scales' F16 pairs, each one
+ * byte permute and one conversion. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -161,7 +162,6 @@ struct Smem {
   static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
   static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
   static_assert(kStages >= 3, "too few pipeline stages");
-  static_assert(MM_SM90_LUT_ENTRIES * 8 >= 256 * 4, "mode 2's scale table in the fold table's place");
   static_assert(kBytes <= kSmemLimit, "shared memory budget");
 };
 
@@ -258,13 +258,17 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
-/* F16 pairs (value * 2^-14) of the word's nibble pairs (o, o + 4). */
+/* Mode 2: the F16 pair (value * 2^-14) of slot o of both 16-bit lanes of a
+ * code word: magnitude to bits 9-11, sign to bit 15. The layout puts slot
+ * 2's sign 6 bits above its magnitude and slot 3 in place, so that those
+ * take one shift and one mask or the mask alone (mm_sm90_code_slot; with
+ * the standard nibbles every slot took two shifts and two masks). */
 __device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
   switch (o) {
-    case 0: return ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
-    case 1: return ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
-    case 2: return ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
-    default: return ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+    case 0: return ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
+    case 1: return ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+    case 2: return (w << 3) & 0x8E008E00u;
+    default: return w & 0x8E008E00u;
   }
 }
 /* Mode 1/3/4 decode of one code word (8 weights) with its fold-table entries
@@ -285,13 +289,6 @@ __device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   uint32_t d;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((uint16_t)two));
-  return d;
-}
-/* E4M3 byte -> F16 pair (s, s). */
-__device__ __forceinline__ uint32_t e4m3_pair(uint32_t b) {
-  uint32_t d;
-  uint16_t two = (uint16_t)(b | (b << 8));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(two));
   return d;
 }
 __device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
@@ -468,11 +465,10 @@ struct Kern {
    * grants the first turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (kWide && CM::kF16);
   static constexpr int kTurn = 2;
-  /* Mode 2 reads its scales' F16 pairs from a 256-entry table in the fold
-   * table's place (one-CTA kernels; the two-CTA one spilled 4 bytes with it
-   * and converts each scale): 2-5% faster at M <= 1024 (docs/PERF.md,
-   * version 8). */
-  static constexpr bool kScaleTable = MODE == 2 && CPS == 1;
+  /* Mode 2 with one CTA per SM: a block's scale pairs are made with its
+   * records, not in the decode (Kern::consume; the two-CTA kernels spill
+   * with them). */
+  static constexpr bool kScalesAhead = MODE == 2 && CPS == 1;
   /* A token scale as the promotion applies it: mode 2's F16 weights hold
    * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
   static __device__ __forceinline__ float token_factor(float v) {
@@ -517,13 +513,14 @@ struct Kern {
       thi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
     }
   }
-  /* Mode 2: the F16 pair (s, s) of a row's group scale s (0..7): a byte
-   * extract and a table load (lsu pipe) in place of shifts and a conversion
-   * (ALU pipe, where the decode is bound), where the table exists. */
+  /* Mode 2: the F16 pair (s, s) of a row's group scale s (0..7): one byte
+   * permute copies the scale byte into both bytes of the low half, one
+   * conversion makes the pair (version 11: 4-5% faster at M = 256-2048 than
+   * a 256-entry table of pairs in shared memory, which took an extract, an
+   * address and a load; docs/PERF.md). */
   static __device__ __forceinline__ uint32_t scale_pair(const uint2 *lut, uint2 sb, int s) {
     const uint32_t sv = s < 4 ? sb.x : sb.y;
-    return kScaleTable ? ((const uint32_t *)lut)[prmt(sv, 0, 0x4440 | (s & 3))]
-                       : e4m3_pair((sv >> (8 * (s & 3))) & 0xFF);
+    return e4m3x2_to_f16x2(prmt(sv, 0, 0x4400 | ((s & 3) << 4) | (s & 3)));
   }
   /* The A registers of one code word, row rr (0: r0, 1: r0 + 8) of a k32
    * chunk: FP8 registers rr and rr + 2 of a[0], or in the F16 modes those
@@ -657,7 +654,6 @@ struct Kern {
     constexpr int NP = BN / 16; /* promotion parts of 8 registers */
     constexpr int kMid = NP / 2 + (NP / 2 + 1) / 2;
     constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
-    static_assert(MODE != 2 || kScaleTable, "mode 2's scale pairs come from the table");
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int tid = threadIdx.x % 128;
     const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
@@ -871,9 +867,9 @@ struct Kern {
           /* mode 2 (one CTA per SM): the block's scale pairs, read with its
            * records rather than in the decode: 1-3% faster at M = 256-2048
            * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
-          uint32_t sc[kScaleTable ? TPW : 1][2][8];
+          uint32_t sc[kScalesAhead ? TPW : 1][2][8];
           auto scale_of = [&](int j, int rr, int s) {
-            return kScaleTable ? sc[kScaleTable ? j : 0][rr][s] : scale_pair(lut, sb[j][rr], s);
+            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][s] : scale_pair(lut, sb[j][rr], s);
           };
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
@@ -887,9 +883,9 @@ struct Kern {
               const int r = r0 + 8 * hh;
               sb[j][hh] = row_scales(R + (kPin ? o_s + 8 * kRowScaleBytes * hh
                                                : 4096 + kRowScaleBytes * r));
-              if (kScaleTable)
+              if (kScalesAhead)
   #pragma unroll
-                for (int s8 = 0; s8 < 8; s8++) sc[kScaleTable ? j : 0][hh][s8] = scale_pair(lut, sb[j][hh], s8);
+                for (int s8 = 0; s8 < 8; s8++) sc[kScalesAhead ? j : 0][hh][s8] = scale_pair(lut, sb[j][hh], s8);
               sw[j][hh] = MODE == 2 || ONE ? 1.0f
                                            : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
                                                                                      : C::kRefOff + 2 * r)));
@@ -1148,8 +1144,6 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     }
     if (lane == 0) sched[E] = carry;
   }
-  if (K::kScaleTable) /* mode 2: each E4M3 scale byte's F16 pair (s, s) */
-    for (int i = threadIdx.x; i < 256; i += W::kThreads) ((uint32_t *)(sm + S::kOffLut))[i] = e4m3_pair(i);
   /* fold table: modes 1, 3, 4; in mode 1's records (modes 1, 4) only the
    * entries (k, 0), 8 bytes apart, padded with zeros to 32 (the compact
    * table, Kern::fold_entries) */

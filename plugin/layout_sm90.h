@@ -85,9 +85,12 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
  *    16+4b, sign 8b+3
  *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
  *    w >> 16 with (w << 4) & 0x80808080).
- *  mode 2 (k16 step s = kk/16): u = 2*(s/2) + (row +8); nibble
- *    n = o + 4*hh holds k = 2q + hh + 8*jh of step s, o = 2*(s%2) + jh
- *    (standard nibble: magnitude at 4n, sign at 4n+3). */
+ *  mode 2 (k16 step s = kk/16): u = 2*(s/2) + (row +8); lane hh (the
+ *    word's 16-bit half) holds k = 2q + hh + 8*jh of step s in slot
+ *    o = 2*(s%2) + jh: magnitude at 16hh + {0, 3, 6, 9}[o], sign at
+ *    16hh + {13, 14, 12, 15}[o], so that one or two shifts and masks of the
+ *    word put both lanes' codes of slot o at F16 bits 9-11 and 15 (the
+ *    kernels' dec_h: 4, 4, 2 and 1 instructions for slots 0-3). */
 MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
                                   int *mag_bit, int *sign_bit) {
   int w = lr >> 4, g = lr & 7, rr = (lr >> 3) & 1, u, q;
@@ -95,9 +98,9 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
     int s = kk >> 4, kr = kk & 15, jh = kr >> 3, q8 = kr & 7, hh = q8 & 1;
     q = q8 >> 1;
     u = 2 * (s >> 1) + rr;
-    int n = (2 * (s & 1) + jh) + 4 * hh;
-    *mag_bit = 4 * n;
-    *sign_bit = 4 * n + 3;
+    int o = 2 * (s & 1) + jh;
+    *mag_bit = 16 * hh + 3 * o;                        /* 0, 3, 6, 9 */
+    *sign_bit = 16 * hh + ((0xFCED >> (4 * o)) & 15); /* 13, 14, 12, 15 */
   } else {
     int s = kk >> 5, kq = kk & 31, h = kq >> 4, kr = kq & 15, b = kr & 3;
     q = kr >> 2;

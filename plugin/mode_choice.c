@@ -9,8 +9,9 @@
  * mean of two runs, version 9's kernels (ninth stop). Modes 1 and 4 with
  * per-block references (`--block-refs`), the slower of their two forms
  * (where every row takes the packer's row anchor they ran 4-10% faster at
- * M = 256 and 1024).
- * Source: docs/PERF.md, version 9, table "compute.mode auto". */
+ * M = 256 and 1024). Mode 2's row: version 11's kernels (eleventh stop,
+ * its new code layout and scale pairs; mean of three runs).
+ * Source: docs/PERF.md, version 9, table "compute.mode auto", and version 11. */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
 
@@ -34,7 +35,7 @@ typedef struct mode_row {
 /* Indexed by mm_weight_mode (1..4). */
 static const mode_row rows[5] = {
   [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {186.8, 243.6, 3416.4}},
-  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {288.5, 329.1, 5242.0}},
+  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {247.6, 288.0, 4935.3}},
   [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {214.2, 265.5, 3586.5}},
   [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {263.2, 312.9, 4981.1}},
 };
