@@ -72,7 +72,9 @@
  * faster than one CTA per SM) and a double-buffered 16/32-wide FP8 loop
  * (block kb + 1 decoded beside block kb's MMAs: mode 1 0-4% faster, mode 3
  * up to 5% faster but its mixed kernels' 64-wide tiles 5-6% slower; version
- * 11, branch proto/double-buffer-32).
+ * 11, branch proto/double-buffer-32); ONE kernels for mode 3 with a row anchor
+ * in its packers (-4.5% at M = 32768, equal at M <= 4096; branch
+ * proto/mode3-anchor).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
