@@ -520,7 +520,7 @@ struct Kern {
    * conversion makes the pair (version 11: 4-5% faster at M = 256-2048 than
    * a 256-entry table of pairs in shared memory, which took an extract, an
    * address and a load; docs/PERF.md). */
-  static __device__ __forceinline__ uint32_t scale_pair(const uint2 *lut, uint2 sb, int s) {
+  static __device__ __forceinline__ uint32_t scale_pair(uint2 sb, int s) {
     const uint32_t sv = s < 4 ? sb.x : sb.y;
     return e4m3x2_to_f16x2(prmt(sv, 0, 0x4400 | ((s & 3) << 4) | (s & 3)));
   }
@@ -678,7 +678,7 @@ struct Kern {
         const uint2 sb = row_scales(R + 4096 + kRowScaleBytes * r);
         if (MODE == 2)
 #pragma unroll
-          for (int s8 = 0; s8 < 8; s8++) sc[hh][s8] = scale_pair(lut, sb, s8);
+          for (int s8 = 0; s8 < 8; s8++) sc[hh][s8] = scale_pair(sb, s8);
         else
 #pragma unroll
           for (int ch = 0; ch < 4; ch++) fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
@@ -871,7 +871,7 @@ struct Kern {
            * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
           uint32_t sc[kScalesAhead ? TPW : 1][2][8];
           auto scale_of = [&](int j, int rr, int s) {
-            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][s] : scale_pair(lut, sb[j][rr], s);
+            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][s] : scale_pair(sb[j][rr], s);
           };
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
@@ -887,7 +887,7 @@ struct Kern {
                                                : 4096 + kRowScaleBytes * r));
               if (kScalesAhead)
   #pragma unroll
-                for (int s8 = 0; s8 < 8; s8++) sc[kScalesAhead ? j : 0][hh][s8] = scale_pair(lut, sb[j][hh], s8);
+                for (int s8 = 0; s8 < 8; s8++) sc[kScalesAhead ? j : 0][hh][s8] = scale_pair(sb[j][hh], s8);
               sw[j][hh] = MODE == 2 || ONE ? 1.0f
                                            : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
                                                                                      : C::kRefOff + 2 * r)));
