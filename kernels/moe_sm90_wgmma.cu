@@ -148,7 +148,8 @@ struct Smem {
   static constexpr int kFixed = 1024 /* align slack */ + 128 /* table alignment */ +
                                 MM_SM90_LUT_ENTRIES * 8 +
                                 4 * kConsumers * BN * 4 /* amax */ + kStaging +
-                                4 * (kMaxExperts + 1) + 16 * 8 /* barriers */;
+                                4 * (kMaxExperts + 1) + 16 * 8 /* barriers */ +
+                                8 * 10 /* unit descriptors */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
   static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
   /* offsets from the 1024-aligned base */
@@ -162,7 +163,8 @@ struct Smem {
   static constexpr int kOffStg = kOffRed + 4 * kConsumers * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
   static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
-  static constexpr int kBytes = kOffBar + 20 * 8 + 1024;
+  static constexpr int kOffUnit = kOffBar + 20 * 8; /* kStages x 8 bytes */
+  static constexpr int kBytes = kOffUnit + 8 * kStages + 1024;
   static_assert(kStages >= 3, "too few pipeline stages");
   static_assert(kBytes <= kSmemLimit, "shared memory budget");
 };
@@ -365,6 +367,26 @@ MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 struct Unit {
   int e, rb, nt, tok0, valid, bn;
 };
+/* A unit as the producer publishes it to the consumers, in the stage that
+ * holds its first K block (Kern::produce): one 8-byte shared load instead of
+ * each consumer thread walking the schedule (integer divisions and global
+ * loads of the expert offsets at every unit). Fields of 8 bits: e < 256
+ * (kMaxExperts), rb < 256 (mm_sm90_wgmma_unsupported), valid and bn <= 160;
+ * valid = 0: no more units (every unit holds a row). */
+__device__ __forceinline__ uint2 unit_pack(const Unit &u) {
+  return make_uint2((uint32_t)u.tok0,
+                    (uint32_t)u.e | (uint32_t)u.rb << 8 | (uint32_t)u.valid << 16 | (uint32_t)u.bn << 24);
+}
+__device__ __forceinline__ Unit unit_unpack(uint2 v) {
+  Unit u;
+  u.tok0 = (int)v.x;
+  u.e = v.y & 0xFF;
+  u.rb = (v.y >> 8) & 0xFF;
+  u.valid = (v.y >> 16) & 0xFF;
+  u.bn = v.y >> 24;
+  u.nt = 0; /* not needed past the producer */
+  return u;
+}
 template <int BS, bool kMixed>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
   return kMixed && mixed && m > BS ? 64 : BS;
@@ -589,6 +611,7 @@ struct Kern {
                                                  const CUtensorMap *tmBL, const CUtensorMap *tmSL) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    uint2 *units = (uint2 *)(sm + S::kOffUnit);
     const int KB = p.K / 128;
     /* early: first-pass stages without their tokens (-1: none) */
     int stage = 0, e = 0, early = p.pair_role == 2 ? -1 : 0;
@@ -616,6 +639,7 @@ struct Kern {
                               (size_t)(un.rb * 4 + h * C::kRecs) * (size_t)KB * C::kRec;
         for (int kb = 0; kb < KB; kb++) {
           mbar_wait(&empty[stage], phase ^ 1);
+          if (h == 0 && kb == 0) units[stage] = unit_pack(un);
           mbar_expect_tx(&full[stage], tx);
           uint8_t *dA = sm + S::kOffA + stage * C::kA;
 #pragma unroll
@@ -633,6 +657,11 @@ struct Kern {
     }
     if (early >= 0) catch_up();
     else if (p.pair_role == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
+    /* the end: a descriptor without a unit, its stage completed by a plain
+     * arrive (no bytes) */
+    mbar_wait(&empty[stage], phase ^ 1);
+    units[stage] = make_uint2(0u, 0u);
+    mbar_arrive(&full[stage]);
   }
 
   /* The K loop of one 128- or 160-wide tile, decoding ahead: block kb + 1's
@@ -1038,19 +1067,27 @@ struct Kern {
           else
             stg[col * 128 + lch] = q8;
         };
+        /* one thread per token column: the column's amax over the 8 warps'
+         * partials, its FP8 scale out and the quantization factor into the
+         * first partial's slot (only this thread reads that column), instead
+         * of every thread of the column repeating the reduction and the
+         * division */
+        if (ct < BN) {
+          float m = 0.0f;
+#pragma unroll
+          for (int x = 0; x < 4 * kConsumers; x++) m = fmaxf(m, red[x * BN + ct]);
+          m = fmaxf(m, 1e-4f);
+          red[ct] = 448.0f / m;
+          if (ct < un.valid) p.as_t[(size_t)un.rb * p.Mp + un.tok0 + ct] = m / 448.0f;
+        }
+        named_sync(1, 128 * kConsumers);
 #pragma unroll
         for (int k = 0; k < NC; k++) {
           const int col = acc_col(k, q);
-          float m = 0.0f;
-#pragma unroll
-          for (int x = 0; x < 4 * kConsumers; x++) m = fmaxf(m, red[x * BN + col]);
-          m = fmaxf(m, 1e-4f);
-          const float inv = 448.0f / m;
+          const float inv = red[col];
 #pragma unroll
           for (int j = 0; j < TPW; j++) stage_q8(col, 32 * tile_of(h, c, j) + lc, av[j][k] * inv);
           if (kWide) stage_q8(col, 32 * tile_of(0, c, 0) + lc, av0[k] * inv);
-          if (c == 0 && w == 0 && g == 0 && col < un.valid)
-            p.as_t[(size_t)un.rb * p.Mp + un.tok0 + col] = m / 448.0f;
         }
         named_sync(1, 128 * kConsumers);
         constexpr int kChunks = C::kF16 ? 16 : 8; /* 16-byte chunks per token row */
@@ -1181,12 +1218,17 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   /* ------------------------------------------------------- consumers ---- */
   set_max_regs_inc<W::kConsumerRegs>();
   const int c = wg - 1;
-  int stage = 0, e = 0;
+  int stage = 0;
   uint32_t phase = 0;
-  Unit un;
+  const uint2 *units = (const uint2 *)(sm + S::kOffUnit);
   static_assert(!K::kPingPong || kConsumers == 2, "turns between two warpgroups");
   if (K::kPingPong && c == 1) named_arrive(K::kTurn, 128 * kConsumers);
-  for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, E, p.mixed, u, &e, &un); u += gridDim.x) {
+  for (;;) {
+    /* the unit whose first K block this stage holds (the wait repeats in
+     * consume, at once) */
+    mbar_wait(&full[stage], phase);
+    const Unit un = unit_unpack(units[stage]);
+    if (un.valid == 0) break;
     if (kMixed && un.bn == 64)
       K::template consume<kMixed ? 64 : BS>(p, sm, un, c, stage, phase);
     else
@@ -1439,6 +1481,8 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
   if (L->H % kRowsCta) return "hidden size must be a multiple of 256";
   if (L->E > kMaxExperts) return "more than 256 local experts";
+  if (L->H / kRowsCta > 256 || 2 * L->I / kRowsCta > 256)
+    return "hidden size and 2 x expert size must be at most 65536"; /* unit_pack */
   const int m = L->mode;
   if ((size_t)L->rec != (m == 1   ? Cfg<1, 64>::kRec
                          : m == 2 ? Cfg<2, 64>::kRec
