@@ -1102,28 +1102,45 @@ struct Kern {
       } else {
         /* this pass's output columns: the unit's 256, or 128 per half */
         constexpr int kCols = 256 / kHalves;
+        constexpr int kRowChunks = kCols / 8; /* 16-byte chunks per token row */
         const int H = p.rows;
         uint16_t *stg16 = (uint16_t *)stg;
+        /* BF16 pairs of two token columns of a weight row, transposed into
+         * the token rows of the staging tile by stmatrix (8 x 8 blocks: 16
+         * bytes of 8 weight rows per token row; one instruction per 4 blocks
+         * instead of a 2-byte store per value). A row's 16-byte chunk ck
+         * sits at ck ^ (row & 7), so that the 8 token rows of a block, 512
+         * bytes apart, fall in different banks. Lane l addresses row l % 8 of
+         * the instruction's block l / 8. */
+        const int mb = lane >> 3, mr = lane & 7;
 #pragma unroll
-        for (int j = 0; j < TPW; j++)
+        for (int j = 0; j < TPW; j++) {
+          const int ck0 = 8 * (TPW * c + j) + 2 * w; /* the chunk of weight rows 16 w .. */
 #pragma unroll
-          for (int hh = 0; hh < 2; hh++) {
-            const int nl = 64 * (TPW * c + j) + r0 + 8 * hh;
-            const float rsv = rsf[j][hh];
+          for (int t = 0; t < NC / 4; t++) { /* blocks of token columns 16 t .. 16 t + 15 */
+            uint32_t v[4];
 #pragma unroll
-            for (int k = 0; k < NC; k++) {
-              const int i = 4 * (k >> 1) + 2 * hh + (k & 1);
-              const int col = acc_col(k, q);
-              stg16[col * kCols + nl] = __bfloat16_as_ushort(__float2bfloat16_rn(fin[j][i] * rsv));
+            for (int m = 0; m < 4; m++) { /* block m: rows + 8 (m & 1), columns + 8 (m >> 1) */
+              const int i = 4 * (2 * t + (m >> 1)) + 2 * (m & 1);
+              const float rsv = rsf[j][m & 1];
+              const __nv_bfloat162 b2 = __floats2bfloat162_rn(fin[j][i] * rsv, fin[j][i + 1] * rsv);
+              v[m] = *reinterpret_cast<const uint32_t *>(&b2);
             }
+            const int row = 16 * t + 8 * (mb >> 1) + mr;
+            const int ck = (ck0 + (mb & 1)) ^ mr;
+            asm volatile(
+                "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                    smem_u32(stg16 + row * kCols + ck * 8)),
+                "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                : "memory");
           }
+        }
         named_sync(1, 128 * kConsumers);
-        constexpr int kRowChunks = kCols / 8; /* 16-byte chunks per token row */
         for (int idx = ct; idx < BN * kRowChunks; idx += 128 * kConsumers) {
           const int row = (unsigned)idx / kRowChunks, ck = (unsigned)idx % kRowChunks;
           if (row < un.valid)
             *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + h * kCols +
-                       ck * 8) = *(const uint4 *)(stg16 + row * kCols + ck * 8);
+                       ck * 8) = *(const uint4 *)(stg16 + row * kCols + (ck ^ (row & 7)) * 8);
         }
         named_sync(1, 128 * kConsumers);
       }
