@@ -12,7 +12,11 @@
  * m64 tiles: 256 weight rows x one token tile per work unit. Work units
  * (expert, 256-row block, token tile) are walked round-robin by a persistent
  * grid, token tile fastest so that neighbouring CTAs share weights in L2 and
- * a skewed expert spreads over every SM.
+ * a skewed expert spreads over every SM. The producer alone walks them and
+ * publishes each unit beside the stage of its first K block (unit_pack); the
+ * consumers read it there (version 12: 2-7% faster than every consumer
+ * thread walking the schedule, whose integer divisions and global loads of
+ * the expert offsets stood at the start of every unit).
  *
  * Token tiles (mm_sm90_run_wgmma picks them from the average rows per
  * expert): 16, 32, 64 or 128 tokens; with 16 or 32, an expert holding more
@@ -74,7 +78,11 @@
  * up to 5% faster but its mixed kernels' 64-wide tiles 5-6% slower; version
  * 11, branch proto/double-buffer-32); ONE kernels for mode 3 with a row anchor
  * in its packers (-4.5% at M = 32768, equal at M <= 4096; branch
- * proto/mode3-anchor).
+ * proto/mode3-anchor); version 12: a banded unit order (8 token tiles of
+ * an expert against all its row blocks, for L2 reuse with a skewed expert:
+ * equal at M = 16384-32768 skewed, 2-3% slower at 1024), mode 2 without the
+ * fold table's shared memory (one more stage in the L1 16-64-wide kernels:
+ * equal) and mode 2's scale pairs made in the decode again (2-3% slower).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
