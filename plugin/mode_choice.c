@@ -5,13 +5,13 @@
 #include <stdio.h>
 
 /* Measured on an H200: one EP8 rank of GLM-5 (32 local experts, H 6144,
- * I 2048), bench_moe_compute medians in microseconds, uniform routing, the
- * mean of two runs, version 9's kernels (ninth stop). Modes 1 and 4 with
- * per-block references (`--block-refs`), the slower of their two forms
- * (where every row takes the packer's row anchor they ran 4-10% faster at
- * M = 256 and 1024). Mode 2's row: version 11's kernels (eleventh stop,
- * its new code layout and scale pairs; mean of three runs).
- * Source: docs/PERF.md, version 9, table "compute.mode auto", and version 11. */
+ * I 2048), bench_moe_compute medians in microseconds, uniform routing,
+ * version 12's kernels (twelfth stop). Modes 1 and 4 with per-block
+ * references (`--block-refs`), the slower of their two forms (where every
+ * row takes the packer's row anchor they run 1-6% faster), mean of two runs;
+ * mode 3 mean of two runs; mode 2 mean of three (one of the landing build,
+ * two of a build of the same kernel code).
+ * Source: docs/PERF.md, version 12. */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
 
@@ -34,10 +34,10 @@ typedef struct mode_row {
 
 /* Indexed by mm_weight_mode (1..4). */
 static const mode_row rows[5] = {
-  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {186.8, 243.6, 3416.4}},
-  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {247.6, 288.0, 4935.3}},
-  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {214.2, 265.5, 3586.5}},
-  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {263.2, 312.9, 4981.1}},
+  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {180.9, 228.2, 3217.4}},
+  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {246.2, 280.0, 4835.9}},
+  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {211.8, 256.8, 3500.9}},
+  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {260.8, 297.7, 4773.3}},
 };
 
 static int known(mm_weight_mode m) { return m >= MM_WMODE_G32_FP8 && m <= MM_WMODE_G32_F16_EXACT; }
