@@ -45,8 +45,12 @@ __global__ void zero_refs(const uint8_t *w, size_t expert_bytes, size_t w13_byte
   if (!__syncthreads_and(z) && lr == 0) atomicAnd(&zero[w2], 0);
 }
 /* L->refs_zero13 / refs_zero2 from the uploaded records (zero_refs);
- * synchronizes st. */
+ * synchronizes st. Only modes 1 and 4 (mode 1's records) have kernels
+ * without the reference multiply: the others skip the scan. */
 static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
+  L->refs_zero13 = L->refs_zero2 = 0;
+  if (L->mode != MM_WMODE_G32_FP8 && L->mode != MM_WMODE_G32_F16_EXACT)
+    return cudaStreamSynchronize(st); /* the callers rely on the synchronization */
   const int t13 = 2 * L->I / 64, t2 = L->H / 64, ones[2] = {1, 1};
   int *d = NULL, got[2] = {0, 0};
   cudaError_t ce = cudaMalloc((void **)&d, sizeof(ones));

@@ -82,7 +82,9 @@
  * an expert against all its row blocks, for L2 reuse with a skewed expert:
  * equal at M = 16384-32768 skewed, 2-3% slower at 1024), mode 2 without the
  * fold table's shared memory (one more stage in the L1 16-64-wide kernels:
- * equal) and mode 2's scale pairs made in the decode again (2-3% slower).
+ * equal), mode 2's scale pairs made in the decode again (2-3% slower) and
+ * the 128/160-wide promotion's token scales loaded ahead of the MMA waits
+ * (mode 1 4-10% slower, mode 4 4-7%).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or

@@ -19,7 +19,8 @@ struct mm_sm90_layer { mm_weight_mode mode; int E, H, I; size_t rec, w13_bytes, 
   uint8_t *d_w; float *d_rs13, *d_rs2; uint8_t *d_lut; int refs_zero13, refs_zero2; size_t device_bytes;
   double fold_rel; };
 /* The zero_refs kernel launch is not stubbed (no GPU: it does not run); its
- * result copy is, so refs_zero13 / refs_zero2 come back as their initial 1. */
+ * result copy is, so in modes 1 and 4 refs_zero13 / refs_zero2 come back as
+ * their initial 1 (modes 2 and 3 skip the scan: 0). */
 static int n_pinned, n_copies, n_events_rec, fail_pinned;
 cudaError_t cudaMalloc(void **p, size_t n) { *p = malloc(n); return *p ? cudaSuccess : cudaErrorMemoryAllocation; }
 cudaError_t cudaFree(void *p) { free(p); return cudaSuccess; }
