@@ -282,7 +282,7 @@ extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_ro
   if (ce == cudaSuccess)
     ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
   if (ce == cudaSuccess) {
-    for (size_t i = 0; m2 && i < n; i++) /* back to column order (mode 4: mm_sm90_kperm) */
+    for (size_t i = 0; m2 && i < n; i++) /* back to column order (the F16 modes: mm_sm90_kperm) */
       act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(
           h[i / I * I + (size_t)mm_sm90_kperm_pos(L->mode, (int)(i % I))])));
     for (int r = 0; r < rows; r++)
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(128) simt_l1(mm_sm90_layer L, mm_expert_pool P
   float amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
   amax = fmaxf(amax, 1e-4f);
   const uint8_t q = f32_to_e4m3(a * (448.0f / amax));
-  if (mm_sm90_f16_mma(L.mode)) { /* mode 4: in the F16 K order of its L2 (mm_sm90_kperm) */
+  if (mm_sm90_f16_mma(L.mode)) { /* modes 2, 4: in the F16 K order of its L2 (mm_sm90_kperm) */
     __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
     ((uint16_t *)W.act)[(size_t)row * I + mm_sm90_kperm_pos(L.mode, ch)] = h.x;
   } else {

@@ -96,8 +96,10 @@
  * order inside every 32-column block; its B operands (the prep kernel's F16
  * copy of x, the L1 epilogue's F16 intermediate) are stored in that order.
  * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 (its own code layout, one or
- * two shifts and masks per pair: dec_h) by its scales' F16 pairs, each one
- * byte permute and one conversion. */
+ * two shifts and masks per pair: dec_h) by its scales' F16 pairs: its K
+ * order (mm_sm90_kperm) puts a column of each of a k32 chunk's two groups
+ * in every register, so one conversion of two adjacent scale bytes makes
+ * the pair of all the chunk's registers of a row. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -547,28 +549,26 @@ struct Kern {
       thi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
     }
   }
-  /* Mode 2: the F16 pair (s, s) of a row's group scale s (0..7): one byte
-   * permute copies the scale byte into both bytes of the low half, one
-   * conversion makes the pair (version 11: 4-5% faster at M = 256-2048 than
-   * a 256-entry table of pairs in shared memory, which took an extract, an
-   * address and a load; docs/PERF.md). */
-  static __device__ __forceinline__ uint32_t scale_pair(uint2 sb, int s) {
-    const uint32_t sv = s < 4 ? sb.x : sb.y;
-    return e4m3x2_to_f16x2(prmt(sv, 0, 0x4400 | ((s & 3) << 4) | (s & 3)));
+  /* Mode 2: the F16 scale pair of a row's k32 chunk ch (0..3), the scales
+   * of its groups 2 ch and 2 ch + 1: every A register of the chunk holds a
+   * column of each in its low and high half (mm_sm90_kperm_pos), so one
+   * conversion of the two adjacent scale bytes makes it (version 12; before,
+   * a byte permute and a conversion per group made (s, s) pairs). */
+  static __device__ __forceinline__ uint32_t scale_pair(uint2 sb, int ch) {
+    const uint32_t sv = ch < 2 ? sb.x : sb.y;
+    return e4m3x2_to_f16x2(ch & 1 ? sv >> 16 : sv);
   }
   /* The A registers of one code word, row rr (0: r0, 1: r0 + 8) of a k32
    * chunk: FP8 registers rr and rr + 2 of a[0], or in the F16 modes those
    * of the chunk's two k16 steps a[0], a[1]. tlo / thi: its fold-table
-   * entries (modes 1, 3, 4); sc0 / sc1: mode 2's scale pairs of the two
-   * steps. */
+   * entries (modes 1, 3, 4); sc: mode 2's scale pair of the chunk. */
   static __device__ __forceinline__ void decode_word(uint32_t word, uint2 tlo, uint2 thi,
-                                                     uint32_t sc0, uint32_t sc1, int rr,
-                                                     uint32_t (&a)[2][4]) {
+                                                     uint32_t sc, int rr, uint32_t (&a)[2][4]) {
     if (MODE == 2) {
-      a[0][rr] = hmul2u(dec_h(word, 0), sc0);
-      a[0][rr + 2] = hmul2u(dec_h(word, 1), sc0);
-      a[1][rr] = hmul2u(dec_h(word, 2), sc1);
-      a[1][rr + 2] = hmul2u(dec_h(word, 3), sc1);
+      a[0][rr] = hmul2u(dec_h(word, 0), sc);
+      a[0][rr + 2] = hmul2u(dec_h(word, 1), sc);
+      a[1][rr] = hmul2u(dec_h(word, 2), sc);
+      a[1][rr + 2] = hmul2u(dec_h(word, 3), sc);
       return;
     }
     uint32_t lo, hi;
@@ -704,7 +704,7 @@ struct Kern {
     uint32_t a[4][2][4];   /* A fragments: [chunk][k16 step (F16)][register] */
     uint32_t wd[8];        /* the next block's code words */
     uint2 tl[4][2][2];     /* its fold-table entries: [chunk][row][lo / hi] */
-    uint32_t sc[2][8];     /* mode 2: its scale pairs [row][group] */
+    uint32_t sc[2][4];     /* mode 2: its scale pairs [row][chunk] */
     float sw[2] = {1.0f, 1.0f}, swn[2] = {1.0f, 1.0f}; /* references: in flight, next */
     auto fetch = [&](int st) {
       const uint8_t *R = sm + S::kOffA + st * C::kA + c * C::kRec;
@@ -717,7 +717,7 @@ struct Kern {
         const uint2 sb = row_scales(R + 4096 + kRowScaleBytes * r);
         if (MODE == 2)
 #pragma unroll
-          for (int s8 = 0; s8 < 8; s8++) sc[hh][s8] = scale_pair(sb, s8);
+          for (int ch = 0; ch < 4; ch++) sc[hh][ch] = scale_pair(sb, ch);
         else
 #pragma unroll
           for (int ch = 0; ch < 4; ch++) fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
@@ -727,8 +727,7 @@ struct Kern {
     auto decode = [&](int ch) {
 #pragma unroll
       for (int rr = 0; rr < 2; rr++)
-        decode_word(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], sc[rr][2 * ch],
-                    sc[rr][2 * ch + 1], rr, a[ch]);
+        decode_word(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], sc[rr][ch], rr, a[ch]);
     };
     /* registers [8 part, 8 part + 8) of the block in the stage's tile */
     auto promote = [&](int part) {
@@ -908,9 +907,9 @@ struct Kern {
           /* mode 2 (one CTA per SM): the block's scale pairs, read with its
            * records rather than in the decode: 1-3% faster at M = 256-2048
            * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
-          uint32_t sc[kScalesAhead ? TPW : 1][2][8];
-          auto scale_of = [&](int j, int rr, int s) {
-            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][s] : scale_pair(sb[j][rr], s);
+          uint32_t sc[kScalesAhead ? TPW : 1][2][4];
+          auto scale_of = [&](int j, int rr, int ch) {
+            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][ch] : scale_pair(sb[j][rr], ch);
           };
   #pragma unroll
           for (int j = 0; j < TPW; j++) {
@@ -926,7 +925,7 @@ struct Kern {
                                                : 4096 + kRowScaleBytes * r));
               if (kScalesAhead)
   #pragma unroll
-                for (int s8 = 0; s8 < 8; s8++) sc[kScalesAhead ? j : 0][hh][s8] = scale_pair(sb[j][hh], s8);
+                for (int ch = 0; ch < 4; ch++) sc[kScalesAhead ? j : 0][hh][ch] = scale_pair(sb[j][hh], ch);
               sw[j][hh] = MODE == 2 || ONE ? 1.0f
                                            : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
                                                                                      : C::kRefOff + 2 * r)));
@@ -959,14 +958,12 @@ struct Kern {
   #pragma unroll
               for (int rr = 0; rr < 2; rr++) {
                 uint2 tlo = make_uint2(0u, 0u), thi = tlo;
-                uint32_t sc0 = 0, sc1 = 0;
-                if (MODE == 2) {
-                  sc0 = scale_of(j, rr, 2 * ch);
-                  sc1 = scale_of(j, rr, 2 * ch + 1);
-                } else {
+                uint32_t scp = 0;
+                if (MODE == 2)
+                  scp = scale_of(j, rr, ch);
+                else
                   fold_entries(lut, sb[j][rr], ch, tlo, thi);
-                }
-                decode_word(wd[j][2 * ch + rr], tlo, thi, sc0, sc1, rr, a[buf][j]);
+                decode_word(wd[j][2 * ch + rr], tlo, thi, scp, rr, a[buf][j]);
               }
             }
             if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
@@ -1067,8 +1064,8 @@ struct Kern {
           for (int k = 0; k < NC; k++) red[(c * 4 + w) * BN + acc_col(k, q)] = amx[k];
         named_sync(1, 128 * kConsumers);
         /* channel within the 128-block = L2's K column, stored at its
-         * mm_sm90_kperm position (mode 4; identity otherwise) */
-        const int lc = MODE == 4 ? mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 8 * w + g) : 8 * w + g;
+         * mm_sm90_kperm position (the F16 modes; identity otherwise) */
+        const int lc = mm_sm90_kperm_pos((mm_weight_mode)MODE, 8 * w + g);
         auto stage_q8 = [&](int col, int lch, float v) {
           const uint8_t q8 = f32_to_e4m3(v);
           if (C::kF16)
@@ -1264,10 +1261,10 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (K::kPingPong && c == 0) named_sync(K::kTurn, 128 * kConsumers);
 }
 
-/* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16 (mode 4
- * in mm_sm90_kperm order). Rows outside [offsets[0], offsets[E]) are left
+/* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16 (in
+ * their mm_sm90_kperm order). Rows outside [offsets[0], offsets[E]) are left
  * alone. */
-template <int F16> /* 0: scales only (FP8 modes), 2: F16 copy, 4: F16 copy permuted */
+template <int F16> /* 0: scales only (FP8 modes); 2, 4: F16 copy in the mode's mm_sm90_kperm order */
 __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
                             int Mp, float *xs_t, uint16_t *x16) {
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;"); /* L1 may launch */
@@ -1278,20 +1275,36 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
     const int r = r0 + (int)(i / KB), kb = (int)(i % KB);
     xs_t[(size_t)kb * Mp + r] = xs[(size_t)r * KB + kb];
   }
-  if (F16) {
+  if (F16 == 2) {
+    /* mm_sm90_kperm_pos, mode 2: columns 4q + 2t + j and 16 + 4q + 2t + j
+     * of a 32-column block side by side at position 16t + 8j + 2q: a thread
+     * reads the 4 columns 4q .. 4q + 3 and their partners 16 on, and stores
+     * 4 pairs */
+    const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
+    uint32_t *o = (uint32_t *)(x16 + (size_t)r0 * H); /* rows start 32-column blocks */
+    for (long i = first; i < (long)(r1 - r0) * (H / 8); i += stride) {
+      const long blk = i >> 2;
+      const int q = (int)(i & 3);
+      const uint32_t v0 = x4[8 * blk + q], v1 = x4[8 * blk + q + 4];
+      const uint32_t a01 = e4m3x2_to_f16x2(v0 & 0xFFFFu), a23 = e4m3x2_to_f16x2(v0 >> 16);
+      const uint32_t b01 = e4m3x2_to_f16x2(v1 & 0xFFFFu), b23 = e4m3x2_to_f16x2(v1 >> 16);
+      uint32_t *ob = o + 16 * blk + q; /* 32-bit word 8t + 4j + q of the block */
+      ob[0] = prmt(a01, b01, 0x5410);  /* column 4q:     t 0, j 0 */
+      ob[4] = prmt(a01, b01, 0x7632);  /* column 4q + 1: t 0, j 1 */
+      ob[8] = prmt(a23, b23, 0x5410);  /* column 4q + 2: t 1, j 0 */
+      ob[12] = prmt(a23, b23, 0x7632); /* column 4q + 3: t 1, j 1 */
+    }
+  } else if (F16 == 4) {
     const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
     uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
     for (long i = first; i < (long)(r1 - r0) * (H / 4); i += stride) {
       const uint32_t v = x4[i];
       const uint32_t lo = e4m3x2_to_f16x2(v & 0xFFFFu), hi = e4m3x2_to_f16x2(v >> 16);
-      if (F16 == 4) { /* columns 4i, 4i + 1 and 4i + 2, 4i + 3 land 16 apart */
-        const long base = 4 * i & ~31L;
-        const int k = (int)(4 * i & 31);
-        *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k)) = lo;
-        *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k + 2)) = hi;
-      } else {
-        ((uint2 *)o)[i] = make_uint2(lo, hi);
-      }
+      /* columns 4i, 4i + 1 and 4i + 2, 4i + 3 land 16 apart */
+      const long base = 4 * i & ~31L;
+      const int k = (int)(4 * i & 31);
+      *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k)) = lo;
+      *(uint32_t *)(o + base + mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k + 2)) = hi;
     }
   }
 }

@@ -74,6 +74,49 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
   return (size_t)(rows / 64) * (size_t)(cols / 128) * mm_sm90_record_bytes(mode);
 }
 
+/* The F16 modes' K order inside each 32-column block: position p of the
+ * F16 B operand (the activation copy, the intermediate) and of the A
+ * fragments holds column mm_sm90_kperm_src(mode, p).
+ *
+ * Mode 2: the two F16 halves b of every A register hold a column of each
+ * of the block's two 16-column groups (b = the group), so the scale pair of
+ * a register is the pair of the block's two group scales: one conversion of
+ * two adjacent scale bytes (instead of a byte permute and a conversion per
+ * group). Thread q's positions 16t + 8j + 2q + b (k16 step t, register pair
+ * j) hold column k = 16b + 4q + 2t + j: the two columns of a source byte
+ * (4q + 2t + {0, 1}) stay in one thread's code word, as the packers need.
+ * (Mode 4's order with the roles of bits 0 and 4 of k swapped.)
+ *
+ * Mode 4. Its A fragments are mode 1's FP8 k32 fragments converted
+ * pairwise to F16 (cvt.rn.f16x2.e4m3x2) without moving data between threads:
+ * FP8 register rr + 2h of thread q (row r, columns 16h + 4q .. +3) gives the
+ * F16 registers rr + 2h of the two k16 HGMMA steps t = 0, 1 (columns 16h +
+ * 4q + 2t, +1). In the k16 steps' own order those registers hold positions
+ * 16t + 8h + 2q + b, b = 0, 1. So inside each 32-column block position p of
+ * the F16 B operand (the activation copy, the intermediate) holds column
+ *   k = 16h + 4q + 2t + b   for   p = 16t + 8h + 2q + b,
+ * a bit permutation of the 5-bit index (p bits t h q1 q0 b, k bits h q1 q0 t
+ * b). The FP8 modes: the identity. */
+MM_SM90_HD int mm_sm90_kperm_src(mm_weight_mode mode, int p) {
+  if (mode == MM_WMODE_G16_BF16_EXACT) {
+    const int t = (p >> 4) & 1, j = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
+    return (p & ~31) | (b << 4) | (q << 2) | (t << 1) | j;
+  }
+  if (mode != MM_WMODE_G32_F16_EXACT) return p;
+  const int t = (p >> 4) & 1, h = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
+  return (p & ~31) | (h << 4) | (q << 2) | (t << 1) | b;
+}
+/* Inverse: the position of column k. */
+MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
+  if (mode == MM_WMODE_G16_BF16_EXACT) {
+    const int b = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, j = k & 1;
+    return (k & ~31) | (t << 4) | (j << 3) | (q << 1) | b;
+  }
+  if (mode != MM_WMODE_G32_F16_EXACT) return k;
+  const int h = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, b = k & 1;
+  return (k & ~31) | (t << 4) | (h << 3) | (q << 1) | b;
+}
+
 /* Where the code of (local row lr in [0,64), column kk in [0,128)) lives in
  * a record: byte offset of its 32-bit word, bit of the 3 magnitude bits,
  * bit of the sign. Thread t = 32w + 4g + q of the warpgroup owns rows
@@ -85,17 +128,21 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
  *    16+4b, sign 8b+3
  *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
  *    w >> 16 with (w << 4) & 0x80808080).
- *  mode 2 (k16 step s = kk/16): u = 2*(s/2) + (row +8); lane hh (the
- *    word's 16-bit half) holds k = 2q + hh + 8*jh of step s in slot
- *    o = 2*(s%2) + jh: magnitude at 16hh + {0, 3, 6, 9}[o], sign at
- *    16hh + {13, 14, 12, 15}[o], so that one or two shifts and masks of the
- *    word put both lanes' codes of slot o at F16 bits 9-11 and 15 (the
- *    kernels' dec_h: 4, 4, 2 and 1 instructions for slots 0-3). */
+ *  mode 2 (MMA position kp = mm_sm90_kperm_pos(mode, kk), k16 step
+ *    s = kp/16): u = 2*(s/2) + (row +8); lane hh (the word's 16-bit half)
+ *    holds position 2q + hh + 8*jh of step s in slot o = 2*(s%2) + jh:
+ *    magnitude at 16hh + {0, 3, 6, 9}[o], sign at 16hh + {13, 14, 12,
+ *    15}[o], so that one or two shifts and masks of the word put both
+ *    lanes' codes of slot o at F16 bits 9-11 and 15 (the kernels' dec_h: 4,
+ *    4, 2 and 1 instructions for slots 0-3). Lane hh holds a column of the
+ *    32-column block's group hh (mm_sm90_kperm_pos), so a word's F16 pairs
+ *    all take the scale pair of the block's two groups. */
 MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
                                   int *mag_bit, int *sign_bit) {
   int w = lr >> 4, g = lr & 7, rr = (lr >> 3) & 1, u, q;
   if (mode == MM_WMODE_G16_BF16_EXACT) {
-    int s = kk >> 4, kr = kk & 15, jh = kr >> 3, q8 = kr & 7, hh = q8 & 1;
+    const int kp = mm_sm90_kperm_pos(mode, kk);
+    int s = kp >> 4, kr = kp & 15, jh = kr >> 3, q8 = kr & 7, hh = q8 & 1;
     q = q8 >> 1;
     u = 2 * (s >> 1) + rr;
     int o = 2 * (s & 1) + jh;
@@ -115,28 +162,6 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
 /* Scale byte index (within the row's bytes) of column kk of a record. */
 MM_SM90_HD int mm_sm90_group_of(mm_weight_mode mode, int kk) {
   return mm_sm90_record_mode(mode) == MM_WMODE_G32_FP8 ? kk >> 5 : kk >> 4;
-}
-
-/* Mode 4's K order. Its A fragments are mode 1's FP8 k32 fragments converted
- * pairwise to F16 (cvt.rn.f16x2.e4m3x2) without moving data between threads:
- * FP8 register rr + 2h of thread q (row r, columns 16h + 4q .. +3) gives the
- * F16 registers rr + 2h of the two k16 HGMMA steps t = 0, 1 (columns 16h +
- * 4q + 2t, +1). In the k16 steps' own order those registers hold positions
- * 16t + 8h + 2q + b, b = 0, 1. So inside each 32-column block position p of
- * the F16 B operand (the activation copy, the intermediate) holds column
- *   k = 16h + 4q + 2t + b   for   p = 16t + 8h + 2q + b,
- * a bit permutation of the 5-bit index (p bits t h q1 q0 b, k bits h q1 q0 t
- * b). Other modes: the identity. */
-MM_SM90_HD int mm_sm90_kperm_src(mm_weight_mode mode, int p) {
-  if (mode != MM_WMODE_G32_F16_EXACT) return p;
-  const int t = (p >> 4) & 1, h = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
-  return (p & ~31) | (h << 4) | (q << 2) | (t << 1) | b;
-}
-/* Inverse: the position of column k. */
-MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
-  if (mode != MM_WMODE_G32_F16_EXACT) return k;
-  const int h = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, b = k & 1;
-  return (k & ~31) | (t << 4) | (h << 3) | (q << 1) | b;
 }
 
 /* Canonical row of layout row r. gate_up: w13 ([gate; up], rows = 2I):
@@ -170,8 +195,8 @@ MM_SM90_HD float mm_sm90_pow2(int e) {
 typedef struct mm_sm90_ws_plan {
   int Mp;
   size_t xs_t;  /* FP32 [H/128][Mp] token scales, transposed */
-  size_t act;   /* [Mp][I] intermediate: FP8 (modes 1, 3) or F16 (modes 2, 4;
-                 * mode 4 in mm_sm90_kperm order) */
+  size_t act;   /* [Mp][I] intermediate: FP8 (modes 1, 3) or F16 (modes 2, 4,
+                 * in mm_sm90_kperm order) */
   size_t as_t;  /* FP32 [I/128][Mp] intermediate scales, transposed */
   size_t bytes; /* total */
 } mm_sm90_ws_plan;

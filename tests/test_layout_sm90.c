@@ -286,7 +286,8 @@ static void test_slot_bijection(void) {
         /* owner thread: 16-byte chunk index within its 2048-byte half */
         int t = (off % 2048) / 16, w = t / 32, g = (t % 32) / 4, q = t % 4;
         int rowok = lr == 16 * w + g || lr == 16 * w + g + 8;
-        int kq = mode == 2 ? (kk % 8) / 2 : (kk % 16) / 4;
+        /* mode 2: the F16 fragment's columns are positions of its K order */
+        int kq = mode == 2 ? (mm_sm90_kperm_pos((mm_weight_mode)mode, kk) % 8) / 2 : (kk % 16) / 4;
         frag += !(rowok && kq == q);
       }
     CHECK_EQ_INT(dup, 0);
@@ -313,7 +314,7 @@ static void test_mode4_kperm(void) {
         }
       }
   CHECK_EQ_INT(bad, 0);
-  /* a permutation inside every 32-block; the identity for the other modes */
+  /* a permutation inside every 32-block; the identity for the FP8 modes */
   static int seen[1024];
   memset(seen, 0, sizeof seen);
   for (int k = 0; k < 1024; k++) {
@@ -321,7 +322,7 @@ static void test_mode4_kperm(void) {
     CHECK(p / 32 == k / 32);
     seen[p]++;
     CHECK_EQ_INT(mm_sm90_kperm_src(MM_WMODE_G32_F16_EXACT, p), k);
-    for (int mode = 1; mode <= 3; mode++) {
+    for (int mode = 1; mode <= 3; mode += 2) {
       CHECK_EQ_INT(mm_sm90_kperm_pos((mm_weight_mode)mode, k), k);
       CHECK_EQ_INT(mm_sm90_kperm_src((mm_weight_mode)mode, k), k);
     }
@@ -331,6 +332,46 @@ static void test_mode4_kperm(void) {
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 2), 16);
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 4), 2);
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 16), 8);
+}
+
+/* Mode 2's K order from the F16 k16 A fragment: thread q's register pair
+ * j of step t holds positions 16t + 8j + 2q + b (b: the F16 half). Every
+ * half b must hold a column of the block's 16-group b (so one scale pair
+ * serves every register of a row's k32 chunk), and the two columns of a
+ * source byte (2i, 2i + 1) must land in one thread's word (same q, same
+ * chunk), which the packers' gather tables rely on. */
+static void test_mode2_kperm(void) {
+  const mm_weight_mode m2 = MM_WMODE_G16_BF16_EXACT;
+  int bad = 0;
+  for (int t = 0; t < 2; t++)
+    for (int j = 0; j < 2; j++)
+      for (int q = 0; q < 4; q++)
+        for (int b = 0; b < 2; b++) {
+          const int pos = 16 * t + 8 * j + 2 * q + b, col = 16 * b + 4 * q + 2 * t + j;
+          bad += col / 16 != b;
+          for (int blk = 0; blk < 4 * 128; blk += 32) {
+            bad += mm_sm90_kperm_src(m2, blk + pos) != blk + col;
+            bad += mm_sm90_kperm_pos(m2, blk + col) != blk + pos;
+          }
+        }
+  CHECK_EQ_INT(bad, 0);
+  static int seen[1024];
+  memset(seen, 0, sizeof seen);
+  for (int k = 0; k < 1024; k++) {
+    const int p = mm_sm90_kperm_pos(m2, k);
+    CHECK(p / 32 == k / 32);
+    seen[p]++;
+    CHECK_EQ_INT(mm_sm90_kperm_src(m2, p), k);
+    if (k % 2 == 0) { /* a source byte: same thread (q = position bits 1-2) */
+      const int p1 = mm_sm90_kperm_pos(m2, k + 1);
+      CHECK_EQ_INT((p / 2) % 4, (p1 / 2) % 4);
+      CHECK_EQ_INT(p % 2, p1 % 2);
+    }
+  }
+  for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
+  CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 1), 8);  /* j = 1 */
+  CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 2), 16); /* t = 1 */
+  CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 16), 1); /* the second group: the high half */
 }
 
 /* compute.mode x gran-k -> weight mode (the cuda backend's choice), and the
@@ -472,6 +513,7 @@ int main(void) {
   RUN(test_gate_up_order);
   RUN(test_wide_tiles);
   RUN(test_mode4_kperm);
+  RUN(test_mode2_kperm);
   RUN(test_mode4_f16_high_bytes);
   RUN(test_weight_mode_selection);
   RUN(test_g32_exact_random);
