@@ -301,6 +301,20 @@ static void test_slot_bijection(void) {
  * where the F16 A fragment puts column 8 * (R / 2) + 2q + (i % 2). The F16 B
  * operand must therefore hold, at position 16t + that column, FP8 column
  * 16 * (R / 2) + 4q + i. */
+/* mm_sm90_kperm of `mode` permutes the columns inside every 32-column
+ * block, and src inverts pos. */
+static void check_block_permutation(mm_weight_mode mode) {
+  static int seen[1024];
+  memset(seen, 0, sizeof seen);
+  for (int k = 0; k < 1024; k++) {
+    const int p = mm_sm90_kperm_pos(mode, k);
+    CHECK(p / 32 == k / 32);
+    seen[p]++;
+    CHECK_EQ_INT(mm_sm90_kperm_src(mode, p), k);
+  }
+  for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
+}
+
 static void test_mode4_kperm(void) {
   int bad = 0;
   for (int R = 0; R < 4; R++)
@@ -314,20 +328,13 @@ static void test_mode4_kperm(void) {
         }
       }
   CHECK_EQ_INT(bad, 0);
-  /* a permutation inside every 32-block; the identity for the FP8 modes */
-  static int seen[1024];
-  memset(seen, 0, sizeof seen);
-  for (int k = 0; k < 1024; k++) {
-    const int p = mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, k);
-    CHECK(p / 32 == k / 32);
-    seen[p]++;
-    CHECK_EQ_INT(mm_sm90_kperm_src(MM_WMODE_G32_F16_EXACT, p), k);
+  check_block_permutation(MM_WMODE_G32_F16_EXACT);
+  /* the identity for the FP8 modes */
+  for (int k = 0; k < 1024; k++)
     for (int mode = 1; mode <= 3; mode += 2) {
       CHECK_EQ_INT(mm_sm90_kperm_pos((mm_weight_mode)mode, k), k);
       CHECK_EQ_INT(mm_sm90_kperm_src((mm_weight_mode)mode, k), k);
     }
-  }
-  for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
   /* the first pairs: columns 0, 1 stay, 2, 3 go to the second k16 step */
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 2), 16);
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 4), 2);
@@ -355,20 +362,12 @@ static void test_mode2_kperm(void) {
           }
         }
   CHECK_EQ_INT(bad, 0);
-  static int seen[1024];
-  memset(seen, 0, sizeof seen);
-  for (int k = 0; k < 1024; k++) {
-    const int p = mm_sm90_kperm_pos(m2, k);
-    CHECK(p / 32 == k / 32);
-    seen[p]++;
-    CHECK_EQ_INT(mm_sm90_kperm_src(m2, p), k);
-    if (k % 2 == 0) { /* a source byte: same thread (q = position bits 1-2) */
-      const int p1 = mm_sm90_kperm_pos(m2, k + 1);
-      CHECK_EQ_INT((p / 2) % 4, (p1 / 2) % 4);
-      CHECK_EQ_INT(p % 2, p1 % 2);
-    }
+  check_block_permutation(m2);
+  for (int k = 0; k < 1024; k += 2) { /* a source byte: same thread (q = position bits 1-2) */
+    const int p = mm_sm90_kperm_pos(m2, k), p1 = mm_sm90_kperm_pos(m2, k + 1);
+    CHECK_EQ_INT((p / 2) % 4, (p1 / 2) % 4);
+    CHECK_EQ_INT(p % 2, p1 % 2);
   }
-  for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 1), 8);  /* j = 1 */
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 2), 16); /* t = 1 */
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 16), 1); /* the second group: the high half */
