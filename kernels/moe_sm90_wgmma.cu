@@ -377,7 +377,7 @@ MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
  * with more rows gets 64-wide tiles, so a skewed expert's weights are
  * decoded once per 64 of its tokens rather than once per BS. */
 struct Unit {
-  int e, rb, nt, tok0, valid, bn;
+  int e, rb, tok0, valid, bn;
 };
 /* A unit as the producer publishes it to the consumers, in the stage that
  * holds its first K block (Kern::produce): one 8-byte shared load instead of
@@ -396,7 +396,6 @@ __device__ __forceinline__ Unit unit_unpack(uint2 v) {
   u.rb = (v.y >> 8) & 0xFF;
   u.valid = (v.y >> 16) & 0xFF;
   u.bn = v.y >> 24;
-  u.nt = 0; /* not needed past the producer */
   return u;
 }
 template <int BS, bool kMixed>
@@ -421,10 +420,10 @@ __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, 
   const int local = u - sched[*e];
   out->e = *e;
   out->rb = local / ntc;
-  out->nt = local % ntc;
+  const int nt = local % ntc;
   out->bn = bn;
-  out->tok0 = off[*e] + out->nt * bn;
-  out->valid = min(bn, m - out->nt * bn);
+  out->tok0 = off[*e] + nt * bn;
+  out->valid = min(bn, m - nt * bn);
   return true;
 }
 
@@ -1275,28 +1274,27 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
     const int r = r0 + (int)(i / KB), kb = (int)(i % KB);
     xs_t[(size_t)kb * Mp + r] = xs[(size_t)r * KB + kb];
   }
+  if (!F16) return;
+  const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
+  uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
   if (F16 == 2) {
     /* mm_sm90_kperm_pos, mode 2: columns 4q + 2t + j and 16 + 4q + 2t + j
      * of a 32-column block side by side at position 16t + 8j + 2q: a thread
      * reads the 4 columns 4q .. 4q + 3 and their partners 16 on, and stores
      * 4 pairs */
-    const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
-    uint32_t *o = (uint32_t *)(x16 + (size_t)r0 * H); /* rows start 32-column blocks */
     for (long i = first; i < (long)(r1 - r0) * (H / 8); i += stride) {
       const long blk = i >> 2;
       const int q = (int)(i & 3);
       const uint32_t v0 = x4[8 * blk + q], v1 = x4[8 * blk + q + 4];
       const uint32_t a01 = e4m3x2_to_f16x2(v0 & 0xFFFFu), a23 = e4m3x2_to_f16x2(v0 >> 16);
       const uint32_t b01 = e4m3x2_to_f16x2(v1 & 0xFFFFu), b23 = e4m3x2_to_f16x2(v1 >> 16);
-      uint32_t *ob = o + 16 * blk + q; /* 32-bit word 8t + 4j + q of the block */
+      uint32_t *ob = (uint32_t *)o + 16 * blk + q; /* 32-bit word 8t + 4j + q of the block */
       ob[0] = prmt(a01, b01, 0x5410);  /* column 4q:     t 0, j 0 */
       ob[4] = prmt(a01, b01, 0x7632);  /* column 4q + 1: t 0, j 1 */
       ob[8] = prmt(a23, b23, 0x5410);  /* column 4q + 2: t 1, j 0 */
       ob[12] = prmt(a23, b23, 0x7632); /* column 4q + 3: t 1, j 1 */
     }
-  } else if (F16 == 4) {
-    const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
-    uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
+  } else {
     for (long i = first; i < (long)(r1 - r0) * (H / 4); i += stride) {
       const uint32_t v = x4[i];
       const uint32_t lo = e4m3x2_to_f16x2(v & 0xFFFFu), hi = e4m3x2_to_f16x2(v >> 16);
