@@ -1,6 +1,7 @@
 /* bench_moe_compute.c -- benchmark of the sm90 fused expert compute on one
  * GPU: one EP rank's local experts (default GLM-5 at EP8: E_loc 32, H 6144,
- * I 2048), pools of M rows (uniform or skewed over the experts), median time
+ * I 2048), pools of M rows (uniform, skewed or randomly routed over the
+ * experts), median time
  * of CUDA-event-timed calls after warm-up with input sets rotated beyond L2.
  * Ceilings measured in the same run: HBM streaming read, cuBLASLt FP8 and
  * BF16 dense GEMM (8192^3), and a cuBLASLt FP8 baseline with the same FLOPs
@@ -8,14 +9,18 @@
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
- *     [--profile-only] [--block-refs]
+ *     [--profile-only] [--block-refs] [--loads uniform,skewed,random]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
  * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
  * --requant: a gran-16 checkpoint requantized to gran 32 (mode 1 or 4);
  * --profile-only: only the expert compute (for ncu / nsys), no baselines;
  * --block-refs (modes 1, 4): every block keeps its rows' reference exponent
- * (rows without the packer's row anchor) instead of reference 0 everywhere. */
+ * (rows without the packer's row anchor) instead of reference 0 everywhere;
+ * --loads: which expert loads to run per M (default all three): uniform (M / E
+ * rows each), skewed (expert 0 takes half) and random (each row routed to an
+ * expert drawn uniformly, fixed seed: the spread of real routing, where about
+ * half the experts hold more than the average). */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -114,6 +119,8 @@ typedef struct {
 int main(int argc, char **argv) {
   int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
   int profile_only = 0, block_refs = 0;
+  int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
+  static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
   mm_sm90_path path = MM_SM90_PATH_WGMMA;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
   for (int i = 1; i < argc; i++) {
@@ -128,7 +135,19 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
-    else if (!strcmp(a, "--M")) {
+    else if (!strcmp(a, "--loads")) {
+      loads[0] = loads[1] = loads[2] = 0;
+      for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {
+        int k = 0;
+        while (k < 3 && strcmp(t, kLoadName[k])) k++;
+        if (k == 3) {
+          fprintf(stderr, "--loads: unknown load %s (uniform, skewed, random)\n", t);
+          return 2;
+        }
+        loads[k] = 1;
+      }
+      i++;
+    } else if (!strcmp(a, "--M")) {
       nM = 0;
       for (char *s = strtok((char *)v, ","); s && nM < 16; s = strtok(NULL, ",")) Ms[nM++] = atoi(s);
       i++;
@@ -220,18 +239,33 @@ int main(int argc, char **argv) {
          "|---|---|---|---|---|---|---|---|---|\n");
 
   for (int mi = 0; mi < nM; mi++)
-    for (int skew = 0; skew < 2; skew++) {
+    for (int load = 0; load < 3; load++) {
+      if (!loads[load]) continue;
       const int M = Ms[mi];
       int *offs = malloc(sizeof(int) * (E + 1));
-      /* uniform: M/E each; skewed: expert 0 takes half, the rest share the rest */
+      /* uniform: M/E each; skewed: expert 0 takes half, the rest share the
+       * rest; random: each row's expert drawn uniformly (xorshift, seeded by
+       * M, so every build sees the same counts) */
+      int *cnt = calloc((size_t)E, sizeof(int));
+      uint32_t rng = 0x9E3779B9u ^ (uint32_t)M;
+      for (int r = 0; load == 2 && r < M; r++) {
+        rng ^= rng << 13;
+        rng ^= rng >> 17;
+        rng ^= rng << 5;
+        cnt[(int)(((uint64_t)rng * (uint64_t)E) >> 32)]++;
+      }
+      int most = 0;
       offs[0] = 0;
       for (int e = 0; e < E; e++) {
         int c;
-        if (!skew) c = M / E + (e < M % E);
+        if (load == 2) c = cnt[e];
+        else if (load == 0) c = M / E + (e < M % E);
         else if (e == 0) c = E > 1 ? M / 2 : M;
         else c = (M - M / 2) / (E - 1) + (e - 1 < (M - M / 2) % (E - 1));
         offs[e + 1] = offs[e] + c;
+        if (c > most) most = c;
       }
+      free(cnt);
       const size_t set_bytes = (size_t)M * H * 3 + (size_t)M * (H / 128 + 1) * 4;
       int nsets = (int)((2 * 50e6) / (double)set_bytes) + 1;
       if (nsets < 2) nsets = 2;
@@ -299,9 +333,11 @@ int main(int argc, char **argv) {
         snprintf(lt, sizeof(lt), "%.1f", lt_ms * 1e3);
         snprintf(ratio, sizeof(ratio), "%.2f", lt_ms / ms);
       }
-      printf("| %d %s | %.0f%s | %.1f | %.1f | %.2f | %s | %s | %s | %s |\n", M,
-             skew ? "skewed" : "uniform", (double)M / E, skew ? " (e0: M/2)" : "", ms * 1e3, tf,
-             wtbs, hbm, pk, lt, ratio);
+      char note[32] = "";
+      if (load == 1) snprintf(note, sizeof note, " (e0: M/2)");
+      if (load == 2) snprintf(note, sizeof note, " (max %d)", most);
+      printf("| %d %s | %.0f%s | %.1f | %.1f | %.2f | %s | %s | %s | %s |\n", M, kLoadName[load],
+             (double)M / E, note, ms * 1e3, tf, wtbs, hbm, pk, lt, ratio);
       fflush(stdout);
       free(t);
       cudaEventDestroy(e0);
