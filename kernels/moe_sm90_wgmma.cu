@@ -496,9 +496,13 @@ struct Kern {
    * slower in mode 1 (the least work beside its MMAs); in the decode-ahead
    * loop (version 9) mode 1 equal at M = 32768 and 10-14% slower skewed with
    * them, so the FP8 modes' 128-wide tiles go without. 16- and 32-wide tiles
-   * are decode-bound, and turns would serialize their decode. Warpgroup 1
-   * grants the first turn; warpgroup 0 takes the last grant. */
-  static constexpr bool kPingPong = BS == 64 || (kWide && CM::kF16);
+   * are decode-bound, and turns would serialize their decode; the mixed
+   * kernels' 64-wide tiles take them (kTurns in consume: version 13, 4-9%
+   * faster at M = 1024 with random routing, where half the experts hold more
+   * than 32 rows; the tiles of the other width skip the barriers, whose
+   * grants then wait for the next 64-wide tile). Warpgroup 1 grants the
+   * first turn; warpgroup 0 takes the last grant. */
+  static constexpr bool kPingPong = BS == 64 || kMixed || (kWide && CM::kF16);
   static constexpr int kTurn = 2;
   /* Mode 2 with one CTA per SM: a block's scale pairs are made with its
    * records, not in the decode (Kern::consume; the two-CTA kernels spill
@@ -940,12 +944,15 @@ struct Kern {
            * F16 fragments (twice the registers) spilled. (The 128-wide tiles
            * run k_loop_ahead, with four.) */
           constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
-          /* Split (FP8 64-wide kernels, not the mixed ones' large tiles): the
-           * MMAs of tile 1 issue after all of tile 0's, in a group of their
-           * own, and tile 0 is promoted while they run, as the 128-wide loop
-           * does with its two column halves: 3% faster at M = 2048; in the
-           * mixed kernels 2% slower at M = 1024 (docs/PERF.md, version 8). */
-          constexpr bool kSplit = kBufs == 4 && TPW == 2 && BS == 64;
+          /* Split (FP8 64-wide tiles, the mixed kernels' too): the MMAs of
+           * tile 1 issue after all of tile 0's, in a group of their own, and
+           * tile 0 is promoted while they run, as the 128-wide loop does with
+           * its two column halves: 3% faster at M = 2048 (docs/PERF.md,
+           * version 8); in the mixed kernels 2% slower at M = 1024 without
+           * turns there (version 8), with them 1-4% faster (version 13). */
+          constexpr bool kSplit = kBufs == 4 && TPW == 2 && BN == 64;
+          /* turns at 64-wide tiles, the mixed kernels' too (kPingPong) */
+          constexpr bool kTurns = kPingPong && BN == 64;
           uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
   #pragma unroll
           for (int ch = 0; ch < 4; ch++) {
@@ -965,7 +972,7 @@ struct Kern {
                 decode_word(wd[j][2 * ch + rr], tlo, thi, scp, rr, a[buf][j]);
               }
             }
-            if (kPingPong && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
+            if (kTurns && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
             wg_fence();
             constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
   #pragma unroll
@@ -988,7 +995,7 @@ struct Kern {
                             dB0 + (uint64_t)(ch * 2), ch > 0);
             wg_commit();
           }
-          if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
+          if (kTurns) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
           /* tile j's promotion with the scales read before the MMAs */
           auto promote = [&](int j) {
   #pragma unroll
