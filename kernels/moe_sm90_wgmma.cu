@@ -84,7 +84,11 @@
  * fold table's shared memory (one more stage in the L1 16-64-wide kernels:
  * equal), mode 2's scale pairs made in the decode again (2-3% slower) and
  * the 128/160-wide promotion's token scales loaded ahead of the MMA waits
- * (mode 1 4-10% slower, mode 4 4-7%).
+ * (mode 1 4-10% slower, mode 4 4-7%); version 13: units taken from a
+ * counter per launch once a CTA's first ring pass is issued (dynamic
+ * scheduling: 3-7% slower on even loads, 4-12% faster on some uneven ones;
+ * the same producer code walking the round-robin order ran as fast as
+ * version 12, so the order itself costs; branch proto/dynamic-units).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
