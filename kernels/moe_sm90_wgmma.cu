@@ -88,7 +88,9 @@
  * counter per launch once a CTA's first ring pass is issued (dynamic
  * scheduling: 3-7% slower on even loads, 4-12% faster on some uneven ones;
  * the same producer code walking the round-robin order ran as fast as
- * version 12, so the order itself costs; branch proto/dynamic-units).
+ * version 12, so the order itself costs; branch proto/dynamic-units) and
+ * mixed 16/32 tiles at two CTAs per SM (its 32-wide K loop spills at 104
+ * registers; 6-14% faster on some uneven loads, 3-9% slower on others).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
