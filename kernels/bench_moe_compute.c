@@ -1,8 +1,8 @@
 /* bench_moe_compute.c -- benchmark of the sm90 fused expert compute on one
  * GPU: one EP rank's local experts (default GLM-5 at EP8: E_loc 32, H 6144,
  * I 2048), pools of M rows (uniform, skewed or randomly routed over the
- * experts), median time
- * of CUDA-event-timed calls after warm-up with input sets rotated beyond L2.
+ * experts), median time of CUDA-event-timed calls after warm-up with input
+ * sets rotated beyond L2.
  * Ceilings measured in the same run: HBM streaming read, cuBLASLt FP8 and
  * BF16 dense GEMM (8192^3), and a cuBLASLt FP8 baseline with the same FLOPs
  * (the two dense GEMMs [M,H]x[H,2I], [M,I]x[I,H]).
