@@ -20,8 +20,9 @@
  *
  * Token tiles (mm_sm90_run_wgmma picks them from the average rows per
  * expert): 16, 32, 64 or 128 tokens; with 16 or 32, an expert holding more
- * rows than that gets 64-wide tiles ("mixed tiles"), so its weights are
- * decoded once per 64 of its tokens. With 128 (prefill), each consumer
+ * rows than that gets 64-wide tiles ("mixed tiles"; 32-wide in mode 2's
+ * 16-wide kernels, Kern::kBig), so its weights are decoded once per 64 (32)
+ * of its tokens. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
  * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
@@ -195,7 +196,7 @@ struct Params {
   const uint8_t *lut;
   const int32_t *offsets;
   int E, rows, K, Mp, M;
-  int mixed;             /* 64-wide tiles for experts with more than BS rows */
+  int mixed;             /* large tiles (Kern::kBig) for experts with more than BS rows */
   int width_class;       /* 0: every expert; 1 / 2: only those that
                             mm_sm90_wide_tiles gives 128- / 160-wide tiles
                             (a launch pair) */
@@ -380,8 +381,9 @@ MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 
 /* Work units: (expert, 256-row block, token tile). An expert with at most BS
  * rows gets one BS-wide token tile; with mixed tiles (BS < 64) an expert
- * with more rows gets 64-wide tiles, so a skewed expert's weights are
- * decoded once per 64 of its tokens rather than once per BS. */
+ * with more rows gets BIG-wide tiles (Kern::kBig: 64, or 32), so a skewed
+ * expert's weights are decoded once per BIG of its tokens rather than once
+ * per BS. */
 struct Unit {
   int e, rb, tok0, valid, bn;
 };
@@ -404,9 +406,9 @@ __device__ __forceinline__ Unit unit_unpack(uint2 v) {
   u.bn = v.y >> 24;
   return u;
 }
-template <int BS, bool kMixed>
+template <int BS, bool kMixed, int BIG>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
-  return kMixed && mixed && m > BS ? 64 : BS;
+  return kMixed && mixed && m > BS ? BIG : BS;
 }
 /* Whether this launch runs an expert of m rows (Params::width_class): at
  * prefill each GEMM runs two launches, 160- and 128-wide tiles, and each
@@ -417,12 +419,12 @@ __device__ __forceinline__ bool in_class(int m, int width_class) {
 }
 
 /* Walks this CTA's work units: returns false when done. */
-template <int BS, bool kMixed>
+template <int BS, bool kMixed, int BIG>
 __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int mixed,
                                           int u, int *e, Unit *out) {
   if (u >= sched[E]) return false;
   while (sched[*e + 1] <= u) (*e)++;
-  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed>(m, mixed), ntc = (m + bn - 1) / bn;
+  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed, BIG>(m, mixed), ntc = (m + bn - 1) / bn;
   const int local = u - sched[*e];
   out->e = *e;
   out->rb = local / ntc;
@@ -468,8 +470,9 @@ __device__ __forceinline__ float pow2_exact(int e) {
 
 /* The kernel's two roles, warp-specialized: a producer warpgroup (one thread
  * issues the copies) and the consumer warpgroups. BS: the token tile of
- * small experts; kMixed adds 64-wide tiles for the others (one CTA per SM
- * only: the 64-wide accumulators do not fit two CTAs' registers). ONE
+ * small experts; kMixed adds larger tiles (kBig) for the others (one CTA per
+ * SM only: their accumulators do not fit two CTAs' registers; 16/32 there
+ * measured with a spilling 32-wide loop, version 13). ONE
  * (modes 1 and 4): every reference exponent of the matrix is 0 (the packer's row
  * anchor moved each row's into its row factor), so the promotion skips the
  * reference multiply, and the K loop the references' loads and powers of
@@ -481,7 +484,11 @@ __device__ __forceinline__ float pow2_exact(int e) {
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
-  static constexpr int kBNMax = kMixed ? 64 : BS;
+  /* the mixed kernels' large tile: 64, or 32 in mode 2's 16-wide kernels
+   * (version 13: with random routing at 8-16 rows per expert 8-20% faster,
+   * even loads equal; mode 4 measured 2-4% slower on even loads with it) */
+  static constexpr int kBig = BS == 16 && MODE == 2 ? 32 : 64;
+  static constexpr int kBNMax = kMixed ? kBig : BS;
   using S = Smem<MODE, GEMM, kBNMax, CPS>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
   using W = Warps<CPS>;
@@ -508,7 +515,7 @@ struct Kern {
    * than 32 rows; the tiles of the other width skip the barriers, whose
    * grants then wait for the next 64-wide tile). Warpgroup 1 grants the
    * first turn; warpgroup 0 takes the last grant. */
-  static constexpr bool kPingPong = BS == 64 || kMixed || (kWide && CM::kF16);
+  static constexpr bool kPingPong = BS == 64 || (kMixed && kBig == 64) || (kWide && CM::kF16);
   static constexpr int kTurn = 2;
   /* Mode 2 with one CTA per SM: a block's scale pairs are made with its
    * records, not in the decode (Kern::consume; the two-CTA kernels spill
@@ -605,7 +612,7 @@ struct Kern {
                                                      const CUtensorMap *tmSL) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar);
-    const bool big = kMixed && un.bn == 64;
+    const bool big = kMixed && un.bn == kBig;
     const CUtensorMap *mb = big ? tmBL : tmB, *ms = big ? tmSL : tmS;
     uint8_t *dB = sm + S::kOffB + stage * C::kB;
     tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
@@ -643,14 +650,14 @@ struct Kern {
       int e2 = 0, n = 0;
       Unit u2;
       for (int u = blockIdx.x;
-           n < early && next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
+           n < early && next_unit<BS, kMixed, kBig>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
            u += gridDim.x)
         for (int h = 0; h < kHalves && n < early; h++)
           for (int kb = 0; kb < KB && n < early; kb++, n++)
             load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL);
       early = -1;
     };
-    for (int u = blockIdx.x; next_unit<BS, kMixed>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
+    for (int u = blockIdx.x; next_unit<BS, kMixed, kBig>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
          u += gridDim.x) {
       const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       for (int h = 0; h < kHalves; h++) {
@@ -1205,7 +1212,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
       const int e = e0 + lane;
       int n = 0;
       if (e < E) {
-        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed>(m, p.mixed);
+        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, K::kBig>(m, p.mixed);
         n = in_class(m, p.width_class) ? (m + bn - 1) / bn * RB : 0;
       }
       int x = n; /* inclusive scan over the lanes */
@@ -1265,8 +1272,8 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     mbar_wait(&full[stage], phase);
     const Unit un = unit_unpack(units[stage]);
     if (un.valid == 0) break;
-    if (kMixed && un.bn == 64)
-      K::template consume<kMixed ? 64 : BS>(p, sm, un, c, stage, phase);
+    if (kMixed && un.bn == K::kBig)
+      K::template consume<kMixed ? K::kBig : BS>(p, sm, un, c, stage, phase);
     else
       K::template consume<BS>(p, sm, un, c, stage, phase);
   }
@@ -1385,8 +1392,8 @@ struct TileMaps {
 /* The launch-shape overrides that reach below the tile choice
  * (mm_sm90_run_wgmma reads them all, once per call). */
 struct Overrides {
-  bool allow_mixed; /* 64-wide tiles for experts with more than BS rows, where
-                       the kernel has them (Kern::kMixed) */
+  bool allow_mixed; /* large tiles for experts with more than BS rows, where
+                       the kernel has them (Kern::kMixed, kBig) */
   int max_ctas;     /* tests: at most this many CTAs per launch (0: no cap) */
 };
 
@@ -1420,7 +1427,7 @@ mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st
 
 /* B maps over [rows, K] (x or the intermediate) and the transposed scales
  * [K / 128, Mp]; box = BS rows, and 64 for the mixed kernels' large tiles. */
-mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x, int K,
+mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, const void *x, int K,
                        int rows, const float *scales_t, int Mp) {
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128;
@@ -1433,9 +1440,9 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, const void *x,
     m->sl = m->s;
     return NULL;
   }
-  MM_TRY(make_map(&m->bl, dt, x, K, rows, row_bytes, box0, 64, true));
-  MM_TRY(make_map(&m->sl, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp, 68, 1,
-                  false));
+  MM_TRY(make_map(&m->bl, dt, x, K, rows, row_bytes, box0, big, true));
+  MM_TRY(make_map(&m->sl, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
+                  big + 4, 1, false));
   return NULL;
 }
 
@@ -1485,11 +1492,12 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   uint16_t *x16 = f16 ? pool->out : NULL;
   TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
   const void *x1 = f16 ? (const void *)x16 : (const void *)pool->x;
-  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, x1, H, M, ws->xs_t, Mp));
-  MM_TRY(make_tile_maps(&m2, f16, mixed, BS, ws->act, I, Mp, ws->as_t, Mp));
+  const int big = Kern<MODE, 1, BS, CPS>::kBig;
+  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, x1, H, M, ws->xs_t, Mp));
+  MM_TRY(make_tile_maps(&m2, f16, mixed, BS, big, ws->act, I, Mp, ws->as_t, Mp));
   if (BS2) {
-    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, x1, H, M, ws->xs_t, Mp));
-    MM_TRY(make_tile_maps(&m2w, f16, false, BS2, ws->act, I, Mp, ws->as_t, Mp));
+    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, big, x1, H, M, ws->xs_t, Mp));
+    MM_TRY(make_tile_maps(&m2w, f16, false, BS2, big, ws->act, I, Mp, ws->as_t, Mp));
   }
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
@@ -1548,7 +1556,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   /* Token tile from the average rows per expert (the counts live on the
    * device; the caller's rows hint, else the capacity): small tiles in the
    * decode regime waste no MMA and promotion work; experts with more rows
-   * than the tile get 64-wide tiles (mixed tiles). Above 64 rows per expert,
+   * than the tile get larger ones (mixed tiles, Kern::kBig). Above 64 rows per expert,
    * 128-wide tiles: half the decode work per MMA, measured 17-24% faster
    * than 64-wide from 96 rows per expert up, slower at 64 and below, where
    * they run mostly empty. At <= 16 rows per expert the FP8 modes run two
