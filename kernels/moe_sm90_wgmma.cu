@@ -485,7 +485,7 @@ template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
   /* the mixed kernels' large tile: 64, or 32 in mode 2's 16-wide kernels
-   * (version 13: with random routing at 8-16 rows per expert 8-20% faster,
+   * (version 13: with random routing at 8-16 rows per expert 9-21% faster,
    * even loads equal; mode 4 measured 2-4% slower on even loads with it) */
   static constexpr int kBig = BS == 16 && MODE == 2 ? 32 : 64;
   static constexpr int kBNMax = kMixed ? kBig : BS;
