@@ -22,7 +22,10 @@
  * expert): 16, 32, 64 or 128 tokens; with 16 or 32, an expert holding more
  * rows than that gets 64-wide tiles ("mixed tiles"; 32-wide in mode 2's
  * 16-wide kernels, Kern::kBig), so its weights are decoded once per 64 (32)
- * of its tokens. With 128 (prefill), each consumer
+ * of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
+ * ones) an expert a few rows above the tile gets a middle one, 48 (32)
+ * wide, first (Kern::kMid). With 60-64 rows per expert, a launch pair gives
+ * the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
  * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
@@ -91,7 +94,17 @@
  * the same producer code walking the round-robin order ran as fast as
  * version 12, so the order itself costs; branch proto/dynamic-units) and
  * mixed 16/32 tiles at two CTAs per SM (its 32-wide K loop spills at 104
- * registers; 6-14% faster on some uneven loads, 3-9% slower on others).
+ * registers; 6-14% faster on some uneven loads, 3-9% slower on others);
+ * version 14: middle tiles in the FP8 modes (up to 2% (mode 1) and 6%
+ * (mode 3) slower on even loads for 3-6% on random ones), mode 2's 16-wide
+ * kernels with 16/32/64 tiles (6-10% slower at M = 384-512 skewed), 48-wide
+ * tiles instead of 64 as the 32-wide kernels' large ones (8-16% slower at
+ * M = 1024 skewed), the 64+128 pair below 60 rows per expert (at 57: 2-3%
+ * slower on even loads, 0-4% faster on random ones), and more registers for the
+ * two-CTA kernels' mixed 16/32 loop: it still spills at 112 and 120 (ptxas;
+ * 112 is what one CTA of two rings, four consumer warpgroups and a
+ * producer warpgroup would give; with a producer warp instead of a
+ * warpgroup, 288 threads, ptxas caps two CTAs per SM at 96).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -197,9 +210,12 @@ struct Params {
   const int32_t *offsets;
   int E, rows, K, Mp, M;
   int mixed;             /* large tiles (Kern::kBig) for experts with more than BS rows */
-  int width_class;       /* 0: every expert; 1 / 2: only those that
-                            mm_sm90_wide_tiles gives 128- / 160-wide tiles
-                            (a launch pair) */
+  int width_class;       /* 0: every expert; 1 / 2: only those that take
+                            the narrow / wide tiles of a launch pair */
+  int wide_above;        /* a pair's wide tiles: 0: the 160-wide ones where
+                            mm_sm90_wide_tiles says so (the 128+160 pair);
+                            n: the 128-wide ones for experts above n rows
+                            (the 64+128 pair) */
   int pair_role;         /* 0: a single launch; 1 / 2: the first / second of a
                             launch pair (Kern::produce) */
   const float *row_weight;
@@ -341,19 +357,23 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
       "+f"(d[o + 6]), "+f"(d[o + 7])
 #define MM_ACC_16(d) MM_ACC8(d, 0)
 #define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
+#define MM_ACC_48(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16)
 #define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
 #define MM_ACC_80(d) MM_ACC_64(d), MM_ACC8(d, 32)
 #define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define MM_D_48 MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23"
 #define MM_D_64 \
   MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define MM_D_80 MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
+#define MM_AB_48 "{%24, %25, %26, %27}, %28"
 #define MM_AB_64 "{%32, %33, %34, %35}, %36"
 #define MM_AB_80 "{%40, %41, %42, %43}, %44"
 #define MM_SCALE_16 "%13"
 #define MM_SCALE_32 "%21"
+#define MM_SCALE_48 "%29"
 #define MM_SCALE_64 "%37"
 #define MM_SCALE_80 "%45"
 #define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
@@ -372,6 +392,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
   MM_WGMMA(0, N, "k16.f32.f16.f16", ", 0")
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
+MM_WGMMA_N(48) /* the 32-wide kernels' large tiles */
 MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
 MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 #undef MM_WGMMA_N
@@ -406,25 +427,27 @@ __device__ __forceinline__ Unit unit_unpack(uint2 v) {
   u.bn = v.y >> 24;
   return u;
 }
-template <int BS, bool kMixed, int BIG>
+template <int BS, bool kMixed, int BIG, int MID>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
-  return kMixed && mixed && m > BS ? BIG : BS;
+  return kMixed && mixed && m > BS ? (MID && m <= MID ? MID : BIG) : BS;
 }
 /* Whether this launch runs an expert of m rows (Params::width_class): at
  * prefill each GEMM runs two launches, 160- and 128-wide tiles, and each
  * expert takes the width that covers its rows at less cost
- * (mm_sm90_wide_tiles, layout_sm90.h). */
-__device__ __forceinline__ bool in_class(int m, int width_class) {
-  return width_class == 0 || (width_class == 2) == (mm_sm90_wide_tiles(m) != 0);
+ * (mm_sm90_wide_tiles, layout_sm90.h); with 64-wide tiles, the experts above
+ * 64 rows take 128-wide ones (wide_above). */
+__device__ __forceinline__ bool in_class(int m, int width_class, int wide_above) {
+  const bool wide = wide_above ? m > wide_above : mm_sm90_wide_tiles(m) != 0;
+  return width_class == 0 || (width_class == 2) == wide;
 }
 
 /* Walks this CTA's work units: returns false when done. */
-template <int BS, bool kMixed, int BIG>
+template <int BS, bool kMixed, int BIG, int MID>
 __device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int mixed,
                                           int u, int *e, Unit *out) {
   if (u >= sched[E]) return false;
   while (sched[*e + 1] <= u) (*e)++;
-  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed, BIG>(m, mixed), ntc = (m + bn - 1) / bn;
+  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed, BIG, MID>(m, mixed), ntc = (m + bn - 1) / bn;
   const int local = u - sched[*e];
   out->e = *e;
   out->rb = local / ntc;
@@ -486,8 +509,20 @@ struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
   /* the mixed kernels' large tile: 64, or 32 in mode 2's 16-wide kernels
    * (version 13: with random routing at 8-16 rows per expert 9-21% faster,
-   * even loads equal; mode 4 measured 2-4% slower on even loads with it) */
+   * even loads equal; with a 64-wide one beside it, version 14, 6-10%
+   * slower at M = 384-512 skewed) */
   static constexpr int kBig = BS == 16 && MODE == 2 ? 32 : 64;
+  /* Middle tiles (0: none): an expert of BS + 1 to kMid rows gets kMid-wide
+   * tiles, above that kBig-wide ones. The F16 modes' 32-wide kernels take
+   * 48 and mode 4's 16-wide ones 32: under random routing, where half the
+   * experts hold a few rows more than the tile, 4-12% faster at M = 768-1024
+   * and 7-21% at M = 256-512 in mode 4, even and skewed loads within 1-2%
+   * (mode 4's 16-wide kernels 2-4% slower there: the third K loop's code
+   * alone, since those loads never take it). In the FP8 modes the third
+   * loop slowed even loads by up to 2% (mode 1) and 6% (mode 3) for 3-6%
+   * on random ones (docs/PERF.md, version 14). */
+  static constexpr int kMid =
+      !kMixed ? 0 : BS == 32 && (MODE == 2 || MODE == 4) ? 48 : BS == 16 && MODE == 4 ? 32 : 0;
   static constexpr int kBNMax = kMixed ? kBig : BS;
   using S = Smem<MODE, GEMM, kBNMax, CPS>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
@@ -609,11 +644,13 @@ struct Kern {
                                                      int stage, const CUtensorMap *tmB,
                                                      const CUtensorMap *tmS,
                                                      const CUtensorMap *tmBL,
-                                                     const CUtensorMap *tmSL) {
+                                                     const CUtensorMap *tmSL,
+                                                     const CUtensorMap *tmBM,
+                                                     const CUtensorMap *tmSM) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar);
-    const bool big = kMixed && un.bn == kBig;
-    const CUtensorMap *mb = big ? tmBL : tmB, *ms = big ? tmSL : tmS;
+    const bool big = kMixed && un.bn == kBig, mid = kMid && un.bn == kMid;
+    const CUtensorMap *mb = big ? tmBL : mid ? tmBM : tmB, *ms = big ? tmSL : mid ? tmSM : tmS;
     uint8_t *dB = sm + S::kOffB + stage * C::kB;
     tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
     if (C::kF16) tma_2d(dB + un.bn * 128, mb, kb * 128 + 64, un.tok0, &full[stage]);
@@ -634,7 +671,8 @@ struct Kern {
    * that the next kernel, which waits for it, sees both launches' results. */
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
                                                  const CUtensorMap *tmB, const CUtensorMap *tmS,
-                                                 const CUtensorMap *tmBL, const CUtensorMap *tmSL) {
+                                                 const CUtensorMap *tmBL, const CUtensorMap *tmSL,
+                                                 const CUtensorMap *tmBM, const CUtensorMap *tmSM) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     uint2 *units = (uint2 *)(sm + S::kOffUnit);
@@ -650,14 +688,14 @@ struct Kern {
       int e2 = 0, n = 0;
       Unit u2;
       for (int u = blockIdx.x;
-           n < early && next_unit<BS, kMixed, kBig>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
+           n < early && next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
            u += gridDim.x)
         for (int h = 0; h < kHalves && n < early; h++)
           for (int kb = 0; kb < KB && n < early; kb++, n++)
-            load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL);
+            load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL, tmBM, tmSM);
       early = -1;
     };
-    for (int u = blockIdx.x; next_unit<BS, kMixed, kBig>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
+    for (int u = blockIdx.x; next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
          u += gridDim.x) {
       const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       for (int h = 0; h < kHalves; h++) {
@@ -672,7 +710,7 @@ struct Kern {
           for (int i = 0; i < C::kRecs; i++)
             bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
                      &full[stage]);
-          if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL);
+          if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL, tmBM, tmSM);
           else if (++early == S::kStages) catch_up(); /* before any stage is reused */
           if (++stage == S::kStages) {
             stage = 0;
@@ -1175,12 +1213,14 @@ struct Kern {
 };
 
 /* tmB / tmS: token tile and scale maps of the BS-wide tiles; tmBL / tmSL:
- * of the 64-wide ones (mixed tiles only). */
+ * of the large ones (mixed tiles only, Kern::kBig), tmBM / tmSM of the
+ * middle ones (Kern::kMid). */
 template <int MODE, int GEMM, int BS, int CPS, bool ONE>
 __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     wg_kernel(const Params p, const __grid_constant__ CUtensorMap tmB,
               const __grid_constant__ CUtensorMap tmS, const __grid_constant__ CUtensorMap tmBL,
-              const __grid_constant__ CUtensorMap tmSL) {
+              const __grid_constant__ CUtensorMap tmSL, const __grid_constant__ CUtensorMap tmBM,
+              const __grid_constant__ CUtensorMap tmSM) {
   using K = Kern<MODE, GEMM, BS, CPS, ONE>;
   using S = typename K::S;
   using W = Warps<CPS>;
@@ -1212,8 +1252,8 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
       const int e = e0 + lane;
       int n = 0;
       if (e < E) {
-        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, K::kBig>(m, p.mixed);
-        n = in_class(m, p.width_class) ? (m + bn - 1) / bn * RB : 0;
+        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, K::kBig, K::kMid>(m, p.mixed);
+        n = in_class(m, p.width_class, p.wide_above) ? (m + bn - 1) / bn * RB : 0;
       }
       int x = n; /* inclusive scan over the lanes */
 #pragma unroll
@@ -1253,7 +1293,11 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmBL) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmSL) : "memory");
       }
-      K::produce(p, sm, sched, &tmB, &tmS, &tmBL, &tmSL);
+      if (K::kMid) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmBM) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmSM) : "memory");
+      }
+      K::produce(p, sm, sched, &tmB, &tmS, &tmBL, &tmSL, &tmBM, &tmSM);
     }
     return;
   }
@@ -1274,6 +1318,8 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     if (un.valid == 0) break;
     if (kMixed && un.bn == K::kBig)
       K::template consume<kMixed ? K::kBig : BS>(p, sm, un, c, stage, phase);
+    else if (K::kMid && un.bn == K::kMid)
+      K::template consume<K::kMid ? K::kMid : BS>(p, sm, un, c, stage, phase);
     else
       K::template consume<BS>(p, sm, un, c, stage, phase);
   }
@@ -1386,7 +1432,7 @@ int sm_count() {
 /* The maps of one GEMM's B operand: token tiles and their scales, for the
  * BS-wide tiles and (mixed tiles) the 64-wide ones. */
 struct TileMaps {
-  CUtensorMap b, s, bl, sl;
+  CUtensorMap b, s, bl, sl, bm, sm;
 };
 
 /* The launch-shape overrides that reach below the tile choice
@@ -1421,28 +1467,31 @@ mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st
   cfg.stream = st;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, CPS, ONE>, p, m.b, m.s, m.bl, m.sl));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, wg_kernel<MODE, GEMM, BS, CPS, ONE>, p, m.b, m.s, m.bl, m.sl, m.bm, m.sm));
   return NULL;
 }
 
 /* B maps over [rows, K] (x or the intermediate) and the transposed scales
- * [K / 128, Mp]; box = BS rows, and 64 for the mixed kernels' large tiles. */
-mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, const void *x, int K,
-                       int rows, const float *scales_t, int Mp) {
+ * [K / 128, Mp]; box = BS rows, and big / mid (when not 0) for the mixed
+ * kernels' large and middle tiles (Kern::kBig, kMid). */
+mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, int mid, const void *x,
+                       int K, int rows, const float *scales_t, int Mp) {
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128;
   const uint64_t row_bytes = (f16 ? 2ull : 1ull) * (uint64_t)K;
   MM_TRY(make_map(&m->b, dt, x, K, rows, row_bytes, box0, bs, true));
   MM_TRY(make_map(&m->s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
                   bs + 4, 1, false));
-  if (!mixed) {
-    m->bl = m->b;
-    m->sl = m->s;
-    return NULL;
-  }
+  m->bl = m->bm = m->b;
+  m->sl = m->sm = m->s;
+  if (!mixed) return NULL;
   MM_TRY(make_map(&m->bl, dt, x, K, rows, row_bytes, box0, big, true));
   MM_TRY(make_map(&m->sl, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
                   big + 4, 1, false));
+  if (!mid) return NULL;
+  MM_TRY(make_map(&m->bm, dt, x, K, rows, row_bytes, box0, mid, true));
+  MM_TRY(make_map(&m->sm, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
+                  mid + 4, 1, false));
   return NULL;
 }
 
@@ -1455,23 +1504,31 @@ mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, 
   return launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st);
 }
 
-/* One GEMM's launches: BS-wide tiles, or with BS2 (the prefill
- * pair) a launch of BS2-wide tiles and then one of BS-wide tiles, each
- * taking the experts of its width class (mm_sm90_wide_tiles). The wide one
- * goes first: where no expert takes it (even loads of a multiple of 128
- * rows), its CTAs find no units and leave as soon as the kernel before it
+/* One GEMM's launches: BS-wide tiles, or with BS2 (a launch pair: 128+160
+ * at prefill, 64+128 from 33 to 64 rows per expert on average) a launch of
+ * BS2-wide tiles and then one of BS-wide tiles, each taking the experts of
+ * its width class (in_class). The wide one goes first: where no expert
+ * takes it (even loads), its CTAs find no units and leave as soon as the kernel before it
  * has finished, a few microseconds (measured 1-3% at such loads). The second
  * starts beside the first one's last units, and the next GEMM waits for both
  * (Kern::produce). one: the matrix's references are all 0 (launch_refs). */
 template <int MODE, int GEMM, int BS, int CPS, int BS2>
 mm_err *launch_gemm(Params p, bool one, const TileMaps &m, const TileMaps &m2, int max_ctas,
                     cudaStream_t st) {
-  if constexpr (BS2 != 0) {
+  if constexpr (BS2 == 160) {
     p.width_class = 2;
     p.pair_role = 1;
     MM_TRY((launch_refs<MODE, GEMM, BS2, CPS>(p, one, m2, max_ctas, st)));
     p.width_class = 1;
     p.pair_role = 2;
+  } else if constexpr (BS2 != 0) {
+    p.wide_above = BS;
+    p.width_class = 1;
+    p.pair_role = 1;
+    MM_TRY((launch_refs<MODE, GEMM, BS, CPS>(p, one, m, max_ctas, st)));
+    p.width_class = 2;
+    p.pair_role = 2;
+    return launch_refs<MODE, GEMM, BS2, CPS>(p, one, m2, max_ctas, st);
   }
   return launch_refs<MODE, GEMM, BS, CPS>(p, one, m, max_ctas, st);
 }
@@ -1492,12 +1549,12 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   uint16_t *x16 = f16 ? pool->out : NULL;
   TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
   const void *x1 = f16 ? (const void *)x16 : (const void *)pool->x;
-  const int big = Kern<MODE, 1, BS, CPS>::kBig;
-  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, x1, H, M, ws->xs_t, Mp));
-  MM_TRY(make_tile_maps(&m2, f16, mixed, BS, big, ws->act, I, Mp, ws->as_t, Mp));
+  const int big = Kern<MODE, 1, BS, CPS>::kBig, mid = Kern<MODE, 1, BS, CPS>::kMid;
+  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, mid, x1, H, M, ws->xs_t, Mp));
+  MM_TRY(make_tile_maps(&m2, f16, mixed, BS, big, mid, ws->act, I, Mp, ws->as_t, Mp));
   if (BS2) {
-    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, big, x1, H, M, ws->xs_t, Mp));
-    MM_TRY(make_tile_maps(&m2w, f16, false, BS2, big, ws->act, I, Mp, ws->as_t, Mp));
+    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, 0, 0, x1, H, M, ws->xs_t, Mp));
+    MM_TRY(make_tile_maps(&m2w, f16, false, BS2, 0, 0, ws->act, I, Mp, ws->as_t, Mp));
   }
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
@@ -1565,17 +1622,21 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * per expert), but 15% slower at 8 rows when one expert takes half of
    * them (docs/PERF.md). The 128-wide choice runs the launch
    * pair (run_mode's BS2): each expert gets 128- or 160-wide tiles,
-   * whichever covers its rows with less waste (mm_sm90_wide_tiles). */
+   * whichever covers its rows with less waste (mm_sm90_wide_tiles). From 60
+   * to 64 rows per expert the 64-wide tiles run a pair too, 128-wide tiles
+   * for the experts above 64 rows: under random routing 6-11% faster at 60
+   * and 64, but 1-4% slower on even loads (the empty launch); at 57 0-4%
+   * faster, 2-3% slower (few experts pass 64 rows; docs/PERF.md, version 14). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int cps = fp8 && avg <= 16 ? 2 : 1;
-  bool pair = bn == 128;
+  bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
-  if (v && !strcmp(v, "128+160")) {
-    bn = 128;
+  if (v && (!strcmp(v, "128+160") || !strcmp(v, "64+128"))) {
+    bn = atoi(v);
     pair = true;
   } else if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128 ||
                    atoi(v) == 160)) {
@@ -1595,7 +1656,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
                               : run_mode<m, 16, 1>(L, pool, clamp, ws, o, stream))     \
          : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream)                \
-         : bn == 64 ? run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream)                \
+         : bn == 64 ? (pair ? run_mode<m, 64, 1, 128>(L, pool, clamp, ws, o, stream)    \
+                            : run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream))       \
          : bn == 128 ? (pair ? run_mode<m, 128, 1, 160>(L, pool, clamp, ws, o, stream)  \
                              : run_mode<m, 128, 1>(L, pool, clamp, ws, o, stream))     \
                      : run_mode<m, 160, 1>(L, pool, clamp, ws, o, stream)
