@@ -1504,13 +1504,15 @@ mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, 
   return launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st);
 }
 
-/* One GEMM's launches: BS-wide tiles, or with BS2 (a launch pair: 128+160
- * at prefill, 64+128 from 33 to 64 rows per expert on average) a launch of
- * BS2-wide tiles and then one of BS-wide tiles, each taking the experts of
- * its width class (in_class). The wide one goes first: where no expert
- * takes it (even loads), its CTAs find no units and leave as soon as the kernel before it
- * has finished, a few microseconds (measured 1-3% at such loads). The second
- * starts beside the first one's last units, and the next GEMM waits for both
+/* One GEMM's launches: BS-wide tiles, or with BS2 a launch pair, each
+ * launch taking the experts of its width class (in_class). 128+160 (prefill):
+ * the 160-wide launch first; where no expert takes it (even loads of a
+ * multiple of 128 rows), its CTAs find no units and leave as soon as the
+ * kernel before it has finished, a few microseconds (measured 1-3% at such
+ * loads). 64+128 (60-64 rows per expert): the 64-wide launch first, so that
+ * it keeps its overlap with the kernel before it; an empty 128-wide launch
+ * after it costs 1-4% (docs/PERF.md, version 14). The second launch starts
+ * beside the first one's last units, and the next GEMM waits for both
  * (Kern::produce). one: the matrix's references are all 0 (launch_refs). */
 template <int MODE, int GEMM, int BS, int CPS, int BS2>
 mm_err *launch_gemm(Params p, bool one, const TileMaps &m, const TileMaps &m2, int max_ctas,
