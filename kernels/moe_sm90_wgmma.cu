@@ -40,7 +40,8 @@
  * promotion. In modes 1 and 4 (mode 1's
  * records), matrices whose references are all 0 (the packer's row anchor)
  * run kernels that promote without the reference multiply and its loads
- * (Kern's ONE), at every tile width.
+ * and copy the records without the references (Kern's ONE, kRecCopy), at
+ * every tile width.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -556,6 +557,11 @@ struct Kern {
    * records, not in the decode (Kern::consume; the two-CTA kernels spill
    * with them). */
   static constexpr bool kScalesAhead = MODE == 2 && CPS == 1;
+  /* Bytes of each weight record the producer copies: the ONE kernels never
+   * read the reference exponents (the record's last 128 bytes, all 0), so
+   * they stay in HBM. */
+  static constexpr int kRecCopy = ONE ? CM::kRefOff : CM::kRec;
+  static_assert(kRecCopy % 16 == 0, "bulk copies move multiples of 16 bytes");
   /* A token scale as the promotion applies it: mode 2's F16 weights hold
    * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
   static __device__ __forceinline__ float token_factor(float v) {
@@ -697,7 +703,7 @@ struct Kern {
     };
     for (int u = blockIdx.x; next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
          u += gridDim.x) {
-      const uint32_t tx = C::kA + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
+      const uint32_t tx = C::kRecs * kRecCopy + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       for (int h = 0; h < kHalves; h++) {
         const uint8_t *wrec = p.w + (size_t)un.e * p.expert_bytes + p.mat_off +
                               (size_t)(un.rb * 4 + h * C::kRecs) * (size_t)KB * C::kRec;
@@ -708,7 +714,7 @@ struct Kern {
           uint8_t *dA = sm + S::kOffA + stage * C::kA;
 #pragma unroll
           for (int i = 0; i < C::kRecs; i++)
-            bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, C::kRec,
+            bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, kRecCopy,
                      &full[stage]);
           if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL, tmBM, tmSM);
           else if (++early == S::kStages) catch_up(); /* before any stage is reused */
