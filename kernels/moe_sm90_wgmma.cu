@@ -37,7 +37,8 @@
  * the F16 modes) the two consumer warpgroups take turns issuing their MMAs
  * (Kern::kPingPong). 128- and 160-wide tiles decode one K block ahead
  * (Kern::k_loop_ahead): block kb + 1's decode runs beside block kb's
- * promotion. In modes 1 and 4 (mode 1's
+ * promotion; in the FP8 modes' one-CTA kernels the 16- and 32-wide tiles
+ * decode block kb + 1 beside block kb's MMAs (Kern::k_loop_db). In modes 1 and 4 (mode 1's
  * records), matrices whose references are all 0 (the packer's row anchor)
  * run kernels that promote without the reference multiply and its loads
  * and copy the records without the references (Kern's ONE, kRecCopy), at
@@ -79,9 +80,9 @@
  * still costs 0.93 of a full one); 32-wide tiles with two CTAs per SM (with
  * the epilogue factors loaded late their K loop fits 104 registers: no
  * faster than one CTA per SM) and a double-buffered 16/32-wide FP8 loop
- * (block kb + 1 decoded beside block kb's MMAs: mode 1 0-4% faster, mode 3
- * up to 5% faster but its mixed kernels' 64-wide tiles 5-6% slower; version
- * 11, branch proto/double-buffer-32); ONE kernels for mode 3 with a row anchor
+ * for every tile of the mixed kernels (mode 1 0-4% faster, mode 3 up to 5%
+ * faster but the 64-wide tiles 5-6% slower; version 11: version 14 keeps
+ * it for the 16/32-wide tiles only, Kern::k_loop_db); ONE kernels for mode 3 with a row anchor
  * in its packers (-4.5% at M = 32768, equal at M <= 4096; branch
  * proto/mode3-anchor); version 12: a banded unit order (8 token tiles of
  * an expert against all its row blocks, for L2 reuse with a skewed expert:
@@ -105,7 +106,9 @@
  * two-CTA kernels' mixed 16/32 loop: it still spills at 112 and 120 (ptxas;
  * 112 is what one CTA of two rings, four consumer warpgroups and a
  * producer warpgroup would give; with a producer warp instead of a
- * warpgroup, 288 threads, ptxas caps two CTAs per SM at 96).
+ * warpgroup, 288 threads, ptxas caps two CTAs per SM at 96), the turn
+ * barriers as immediates in the F16 modes' kernels (1-8% slower at
+ * M = 4096-32768).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -268,6 +271,19 @@ __device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, int c0
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
       "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
+}
+/* The consumer warpgroups' turn barriers (Kern::kTurn = 2, 3) with the id
+ * as an immediate, for the FP8 mixed kernels' 64-wide tiles: beside the
+ * double-buffered loop (Kern::k_loop_db) ptxas spilled the register holding
+ * it around their MMAs. The other kernels keep the register form (the F16
+ * modes' 128-wide kernels measured 1-8% slower with these). */
+__device__ __forceinline__ void turn_sync(int c) {
+  if (c) asm volatile("bar.sync 3, 256;" ::: "memory");
+  else asm volatile("bar.sync 2, 256;" ::: "memory");
+}
+__device__ __forceinline__ void turn_grant(int c) { /* the other warpgroup's turn */
+  if (c) asm volatile("bar.arrive 2, 256;" ::: "memory");
+  else asm volatile("bar.arrive 3, 256;" ::: "memory");
 }
 __device__ __forceinline__ void named_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
@@ -552,11 +568,16 @@ struct Kern {
    * grants then wait for the next 64-wide tile). Warpgroup 1 grants the
    * first turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (kMixed && kBig == 64) || (kWide && CM::kF16);
-  static constexpr int kTurn = 2;
+  static constexpr int kTurn = 2; /* barriers 2 and 3: turn_sync, turn_grant */
+  static_assert(kTurn == 2 && kConsumers == 2, "turn_sync's immediates");
   /* Mode 2 with one CTA per SM: a block's scale pairs are made with its
    * records, not in the decode (Kern::consume; the two-CTA kernels spill
    * with them). */
   static constexpr bool kScalesAhead = MODE == 2 && CPS == 1;
+  /* Double-buffered K loop for 16- and 32-wide tiles (Kern::k_loop_db):
+   * FP8 modes, one CTA per SM (the two-CTA kernels have 104 registers, and
+   * the second A buffer set alone takes 32 at 16-wide tiles). */
+  static constexpr bool kDoubleBuffer = !CM::kF16 && CPS == 1;
   /* Bytes of each weight record the producer copies: the ONE kernels never
    * read the reference exponents (the record's last 128 bytes, all 0), so
    * they stay in HBM. */
@@ -885,6 +906,104 @@ struct Kern {
     release();
   }
 
+  /* The K loop of one 16- or 32-wide tile in the FP8 modes with one CTA
+   * per SM, double-buffered: block kb + 1's records are fetched and decoded
+   * into the second A buffer set while block kb's MMAs run, then block kb is
+   * released and promoted. The chunked loop (Kern::consume) decodes each
+   * chunk just before its MMA, so a warpgroup's decode and its own MMAs
+   * never overlap. Mode 1 2-3% faster on even loads at M = 640-1024 (mode 3
+   * about 2%), routed and skewed loads equal or 1-2% faster (docs/PERF.md,
+   * version 14). The mixed kernels' 64-wide tiles keep the chunked loop
+   * (version 11 measured them 5-6% slower double-buffered). */
+  template <int BN>
+  static __device__ __forceinline__ void k_loop_db(const Params &p, uint8_t *sm, const Unit &un,
+                                                   int c, int &stage, uint32_t &phase,
+                                                   float (&fin)[TPW][BN / 2],
+                                                   float (&acc)[TPW][BN / 2]) {
+    using C = Cfg<MODE, BN>;
+    constexpr int NR = BN / 2, NC = BN / 4;
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    const int tid = threadIdx.x % 128;
+    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * w + g;
+    const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
+    const int KB = p.K / 128;
+    uint32_t a[2][4][TPW][2][4]; /* [buffer][chunk][tile][step][register]; step 0 only */
+    float sx[2][NC], sw[2][TPW][2];
+    /* block at stage st into buffer b: token scales, references, A registers */
+    auto fetch = [&](int st, int b) {
+      const uint8_t *sA = sm + S::kOffA + st * CM::kA + (TPW * c) * C::kRec;
+      const float *sS = (const float *)(sm + S::kOffS + st * CM::kS) + (un.tok0 & 3);
+#pragma unroll
+      for (int k = 0; k < NC; k++) sx[b][k] = token_factor(sS[acc_col(k, q)]);
+#pragma unroll
+      for (int j = 0; j < TPW; j++) {
+        const uint8_t *R = sA + j * C::kRec;
+        const uint4 c0 = *(const uint4 *)(R + tid * 16), c1 = *(const uint4 *)(R + 2048 + tid * 16);
+        const uint32_t wd[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        uint2 sb[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int r = r0 + 8 * hh;
+          sb[hh] = row_scales(R + 4096 + kRowScaleBytes * r);
+          sw[b][j][hh] = ONE ? 1.0f : pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
+        }
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++)
+#pragma unroll
+          for (int rr = 0; rr < 2; rr++) {
+            uint2 tlo, thi;
+            fold_entries(lut, sb[rr], ch, tlo, thi);
+            decode_word(wd[2 * ch + rr], tlo, thi, 0u, rr, a[b][ch][j]);
+          }
+      }
+    };
+    mbar_wait(&full[stage], phase);
+    fetch(stage, 0);
+#pragma unroll 1
+    for (int kb = 0; kb < KB; kb += 2) {
+      /* two blocks per trip, so that the buffer index is a constant */
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        if (b == 1 && kb + 1 >= KB) break;
+        const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+#pragma unroll
+        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        wg_fence();
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++)
+#pragma unroll
+          for (int j = 0; j < TPW; j++)
+            mma<true, BN>(acc[j], a[b][ch][j][0][0], a[b][ch][j][0][1], a[b][ch][j][0][2],
+                          a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+        wg_commit();
+        int st2 = stage + 1;
+        uint32_t ph2 = phase;
+        if (st2 == S::kStages) {
+          st2 = 0;
+          ph2 ^= 1;
+        }
+        if (kb + b + 1 < KB) { /* the next block beside this one's MMAs */
+          mbar_wait(&full[st2], ph2);
+          fetch(st2, b ^ 1);
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive(&empty[stage]);
+        stage = st2;
+        phase = ph2;
+#pragma unroll
+        for (int j = 0; j < TPW; j++)
+#pragma unroll
+          for (int i = 0; i < NR; i++)
+            fin[j][i] = fmaf(acc[j][i], with_ref(sx[b][(i >> 2) * 2 + (i & 1)], sw[b][j][(i >> 1) & 1]),
+                             fin[j][i]);
+      }
+    }
+  }
+
   /* One work unit of consumer warpgroup c with a BN-wide token tile: per
    * half (one unless kWide), the K loop over its stages, then the epilogue. */
   template <int BN>
@@ -933,6 +1052,8 @@ struct Kern {
 
       if constexpr (BN >= 128) {
         k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+      } else if constexpr (kDoubleBuffer && BN <= 32) {
+        k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);
       } else {
         /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
          * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
@@ -1029,7 +1150,10 @@ struct Kern {
                 decode_word(wd[j][2 * ch + rr], tlo, thi, scp, rr, a[buf][j]);
               }
             }
-            if (kTurns && ch == 0) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
+            if (kTurns && ch == 0) { /* my turn */
+              if constexpr (kDoubleBuffer) turn_sync(c);
+              else named_sync(kTurn + c, 128 * kConsumers);
+            }
             wg_fence();
             constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
   #pragma unroll
@@ -1052,7 +1176,10 @@ struct Kern {
                             dB0 + (uint64_t)(ch * 2), ch > 0);
             wg_commit();
           }
-          if (kTurns) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
+          if (kTurns) { /* the other's turn */
+            if constexpr (kDoubleBuffer) turn_grant(c);
+            else named_arrive(kTurn + (c ^ 1), 128 * kConsumers);
+          }
           /* tile j's promotion with the scales read before the MMAs */
           auto promote = [&](int j) {
   #pragma unroll
