@@ -409,7 +409,7 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
   MM_WGMMA(0, N, "k16.f32.f16.f16", ", 0")
 MM_WGMMA_N(16)
 MM_WGMMA_N(32)
-MM_WGMMA_N(48) /* the 32-wide kernels' large tiles */
+MM_WGMMA_N(48) /* the F16 modes' 32-wide kernels' middle tiles */
 MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
 MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 #undef MM_WGMMA_N
