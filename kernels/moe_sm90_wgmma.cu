@@ -591,6 +591,17 @@ struct Kern {
   /* A token scale t times the weight reference factor w of its row and
    * block: t alone in the ONE kernels, where every reference is 0. */
   static __device__ __forceinline__ float with_ref(float t, float w) { return ONE ? t : t * w; }
+  /* One m64 tile's promotion after a 16-64-wide K block: fin += acc times
+   * the token factor of the register's column (sx, one per acc_col) and,
+   * unless ONE, the reference factor of its row (sw: rows r0, r0 + 8). */
+  template <int NR>
+  static __device__ __forceinline__ void promote_tile(float (&fin)[NR], const float (&acc)[NR],
+                                                      const float (&sx)[NR / 2],
+                                                      const float (&sw)[2]) {
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+      fin[i] = fmaf(acc[i], with_ref(sx[(i >> 2) * 2 + (i & 1)], sw[(i >> 1) & 1]), fin[i]);
+  }
   /* the unit's m64 tile (0..3) of tile j of warpgroup c in half h */
   static __device__ __forceinline__ int tile_of(int h, int c, int j) {
     return kConsumers * TPW * h + TPW * c + j;
@@ -921,7 +932,7 @@ struct Kern {
                                                    float (&fin)[TPW][BN / 2],
                                                    float (&acc)[TPW][BN / 2]) {
     using C = Cfg<MODE, BN>;
-    constexpr int NR = BN / 2, NC = BN / 4;
+    constexpr int NC = BN / 4;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int tid = threadIdx.x % 128;
     const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
@@ -995,11 +1006,7 @@ struct Kern {
         stage = st2;
         phase = ph2;
 #pragma unroll
-        for (int j = 0; j < TPW; j++)
-#pragma unroll
-          for (int i = 0; i < NR; i++)
-            fin[j][i] = fmaf(acc[j][i], with_ref(sx[b][(i >> 2) * 2 + (i & 1)], sw[b][j][(i >> 1) & 1]),
-                             fin[j][i]);
+        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[b], sw[b][j]);
       }
     }
   }
@@ -1181,12 +1188,7 @@ struct Kern {
             else named_arrive(kTurn + (c ^ 1), 128 * kConsumers);
           }
           /* tile j's promotion with the scales read before the MMAs */
-          auto promote = [&](int j) {
-  #pragma unroll
-            for (int i = 0; i < NR; i++)
-              fin[j][i] = fmaf(acc[j][i], with_ref(sx[(i >> 2) * 2 + (i & 1)], sw[j][(i >> 1) & 1]),
-                               fin[j][i]);
-          };
+          auto promote = [&](int j) { promote_tile(fin[j], acc[j], sx, sw[j]); };
           if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
             wg_wait<1>();
             fence_acc(acc[0]);
