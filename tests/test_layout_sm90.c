@@ -295,12 +295,6 @@ static void test_slot_bijection(void) {
   }
 }
 
-/* Mode 4's K order, re-derived from the PTX register layouts: FP8 k32 A
- * fragment register R (rows: R % 2, columns 16 * (R / 2) + 4q + i, i = 0..3)
- * splits into F16 pairs i / 2 = t, which are register R of the k16 step t,
- * where the F16 A fragment puts column 8 * (R / 2) + 2q + (i % 2). The F16 B
- * operand must therefore hold, at position 16t + that column, FP8 column
- * 16 * (R / 2) + 4q + i. */
 /* mm_sm90_kperm of `mode` permutes the columns inside every 32-column
  * block, and src inverts pos. */
 static void check_block_permutation(mm_weight_mode mode) {
@@ -315,6 +309,12 @@ static void check_block_permutation(mm_weight_mode mode) {
   for (int k = 0; k < 1024; k++) CHECK_EQ_INT(seen[k], 1);
 }
 
+/* Mode 4's K order, re-derived from the PTX register layouts: FP8 k32 A
+ * fragment register R (rows: R % 2, columns 16 * (R / 2) + 4q + i, i = 0..3)
+ * splits into F16 pairs i / 2 = t, which are register R of the k16 step t,
+ * where the F16 A fragment puts column 8 * (R / 2) + 2q + (i % 2). The F16 B
+ * operand must therefore hold, at position 16t + that column, FP8 column
+ * 16 * (R / 2) + 4q + i. */
 static void test_mode4_kperm(void) {
   int bad = 0;
   for (int R = 0; R < 4; R++)
