@@ -112,7 +112,8 @@
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
- * acc * token_scale * 2^14 (mode 2, F16 encoding of e2m1 * scale).
+ * acc * token_scale (mode 2, whose F16 encoding of e2m1 * scale carries a
+ * 2^-14 that the epilogue's row factors take back: Kern::row_factor).
  *
  * Mode 4 decodes mode 1's records like mode 1, with a fold table of F16 high
  * bytes (its values' low bytes are 0), and spreads each byte pair into an F16
@@ -583,9 +584,15 @@ struct Kern {
    * they stay in HBM. */
   static constexpr int kRecCopy = ONE ? CM::kRefOff : CM::kRec;
   static_assert(kRecCopy % 16 == 0, "bulk copies move multiples of 16 bytes");
-  /* A token scale as the promotion applies it: mode 2's F16 weights hold
-   * e2m1 * scale * 2^-14, so its scale carries the 2^14 back. */
-  static __device__ __forceinline__ float token_factor(float v) {
+  /* An epilogue row factor as the epilogue applies it: mode 2's F16 weights
+   * hold e2m1 * scale * 2^-14, so its row factors carry the 2^14 back. Once
+   * per row and unit, not in the promotion (an FMUL per token scale and K
+   * block); a power of two commutes with every rounding on the way (barring
+   * FP32 underflow), so the outputs are the same bits. Applied where the
+   * epilogue uses the factor, not where it is loaded: the small tiles load
+   * their factors before the K loop, and a multiply there would wait for
+   * the load. */
+  static __device__ __forceinline__ float row_factor(float v) {
     return MODE == 2 ? v * 16384.0f : v;
   }
   /* A token scale t times the weight reference factor w of its row and
@@ -827,7 +834,7 @@ struct Kern {
 #pragma unroll
       for (int ii = 0; ii < 8; ii++) {
         const int i = 8 * part + ii, k = (i >> 2) * 2 + (i & 1);
-        const float t = token_factor(sS[acc_col(k, q)]);
+        const float t = sS[acc_col(k, q)];
         fin[i] = fmaf(acc[i], with_ref(t, sw[(i >> 1) & 1]), fin[i]);
       }
     };
@@ -946,7 +953,7 @@ struct Kern {
       const uint8_t *sA = sm + S::kOffA + st * CM::kA + (TPW * c) * C::kRec;
       const float *sS = (const float *)(sm + S::kOffS + st * CM::kS) + (un.tok0 & 3);
 #pragma unroll
-      for (int k = 0; k < NC; k++) sx[b][k] = token_factor(sS[acc_col(k, q)]);
+      for (int k = 0; k < NC; k++) sx[b][k] = sS[acc_col(k, q)];
 #pragma unroll
       for (int j = 0; j < TPW; j++) {
         const uint8_t *R = sA + j * C::kRec;
@@ -1088,7 +1095,7 @@ struct Kern {
           /* token scales: read before the MMAs */
           float sx[NC];
   #pragma unroll
-          for (int k = 0; k < NC; k++) sx[k] = token_factor(sS[acc_col(k, q) - col0]);
+          for (int k = 0; k < NC; k++) sx[k] = sS[acc_col(k, q) - col0];
           uint32_t wd[TPW][8];
           float sw[TPW][2];
           uint2 sb[TPW][2];
@@ -1222,7 +1229,7 @@ struct Kern {
         for (int k = 0; k < NC; k++) amx[k] = 0.0f;
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
-          const float rsg = rsf[j][0], rsu = rsf[j][1];
+          const float rsg = row_factor(rsf[j][0]), rsu = row_factor(rsf[j][1]);
 #pragma unroll
           for (int k = 0; k < NC; k++) {
             const int i = 4 * (k >> 1) + (k & 1);
@@ -1321,7 +1328,7 @@ struct Kern {
 #pragma unroll
             for (int m = 0; m < 4; m++) { /* block m: rows + 8 (m & 1), columns + 8 (m >> 1) */
               const int i = 4 * (2 * t + (m >> 1)) + 2 * (m & 1);
-              const float rsv = rsf[j][m & 1];
+              const float rsv = row_factor(rsf[j][m & 1]);
               const __nv_bfloat162 b2 = __floats2bfloat162_rn(fin[j][i] * rsv, fin[j][i + 1] * rsv);
               v[m] = *reinterpret_cast<const uint32_t *>(&b2);
             }
