@@ -105,9 +105,11 @@ mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
 mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
                                    const void *workspace, int rows, uint8_t *act, float *scales);
 
-/* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), uniform floats, and
- * a streaming read of `bytes` (for the HBM read ceiling). Asynchronous. */
+/* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), the same values as
+ * BF16 (n elements), uniform floats, and a streaming read of `bytes` (for the
+ * HBM read ceiling). Asynchronous. */
 mm_err *mm_sm90_bench_fill_fp8(uint8_t *p, size_t n, uint64_t seed, void *stream);
+mm_err *mm_sm90_bench_fill_bf16(uint16_t *p, size_t n, uint64_t seed, void *stream);
 mm_err *mm_sm90_bench_fill_uniform(float *p, size_t n, float lo, float hi, uint64_t seed,
                                    void *stream);
 mm_err *mm_sm90_bench_read(const void *p, size_t bytes, float *sink, void *stream);

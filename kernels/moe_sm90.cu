@@ -529,6 +529,18 @@ __global__ void fill_fp8_kernel(uint8_t *p, size_t n, uint64_t seed) {
   }
 }
 
+/* The BF16 of fill_fp8_kernel's value at the same index and seed (exact):
+ * the BF16 baselines multiply the same numbers as the FP8 ones. */
+__global__ void fill_bf16_kernel(uint16_t *p, size_t n, uint64_t seed) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint8_t b = (uint8_t)hash32(seed ^ i);
+    if ((b & 0x7F) == 0x7F) b = 0x38;
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(b & 0xBF), __NV_E4M3);
+    p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(__half2float(__half(h))));
+  }
+}
+
 __global__ void fill_uniform_kernel(float *p, size_t n, float lo, float hi, uint64_t seed) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
@@ -549,6 +561,11 @@ __global__ void read_kernel(const uint4 *p, size_t n, float *sink) {
 
 extern "C" mm_err *mm_sm90_bench_fill_fp8(uint8_t *p, size_t n, uint64_t seed, void *stream) {
   fill_fp8_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+extern "C" mm_err *mm_sm90_bench_fill_bf16(uint16_t *p, size_t n, uint64_t seed, void *stream) {
+  fill_bf16_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }
