@@ -522,6 +522,14 @@ __device__ __forceinline__ float pow2_exact(int e) {
  * (docs/PERF.md, version 7). At 16-64-wide tiles ONE measured 2-8% faster
  * (version 8), at 128-wide 8-10% (version 7); mode 4's share of its 8-11%
  * (with the byte permutes, version 8) was not measured apart. */
+/* The token side's tensor maps of a launch, as the kernel holds them (its
+ * __grid_constant__ parameters): token tile and scales of the BS-wide tiles
+ * (b, s), of the large ones (bl, sl: Kern::kBig) and of the middle ones (bm,
+ * sm: Kern::kMid); the host's TileMaps, by address. */
+struct TokenMaps {
+  const CUtensorMap *b, *s, *bl, *sl, *bm, *sm;
+};
+
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
@@ -684,18 +692,33 @@ struct Kern {
     }
   }
 
+  /* The ring position after (stage, phase): the next stage, the phase
+   * flipped where the ring wraps. */
+  static __device__ __forceinline__ void advance(int &stage, uint32_t &phase) {
+    if (++stage == S::kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  /* A consumer thread's release of the stage it has read, once the MMAs
+   * reading it have retired, then the next stage: every thread arrives for
+   * its own reads (an arrive releases only the arriving thread's accesses),
+   * after a proxy fence, since the producer's next bulk copy (async proxy)
+   * overwrites the stage. */
+  static __device__ __forceinline__ void release_stage(uint64_t *empty, int &stage,
+                                                       uint32_t &phase) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    mbar_arrive(&empty[stage]);
+    advance(stage, phase);
+  }
+
   /* Token-side copies of one stage: the token tile and its scales. */
   static __device__ __forceinline__ void load_tokens(uint8_t *sm, const Unit &un, int kb,
-                                                     int stage, const CUtensorMap *tmB,
-                                                     const CUtensorMap *tmS,
-                                                     const CUtensorMap *tmBL,
-                                                     const CUtensorMap *tmSL,
-                                                     const CUtensorMap *tmBM,
-                                                     const CUtensorMap *tmSM) {
+                                                     int stage, const TokenMaps &tm) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar);
     const bool big = kMixed && un.bn == kBig, mid = kMid && un.bn == kMid;
-    const CUtensorMap *mb = big ? tmBL : mid ? tmBM : tmB, *ms = big ? tmSL : mid ? tmSM : tmS;
+    const CUtensorMap *mb = big ? tm.bl : mid ? tm.bm : tm.b, *ms = big ? tm.sl : mid ? tm.sm : tm.s;
     uint8_t *dB = sm + S::kOffB + stage * C::kB;
     tma_2d(dB, mb, kb * 128, un.tok0, &full[stage]);
     if (C::kF16) tma_2d(dB + un.bn * 128, mb, kb * 128 + 64, un.tok0, &full[stage]);
@@ -715,9 +738,7 @@ struct Kern {
    * first launch's last units. It waits for the first launch at its end, so
    * that the next kernel, which waits for it, sees both launches' results. */
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
-                                                 const CUtensorMap *tmB, const CUtensorMap *tmS,
-                                                 const CUtensorMap *tmBL, const CUtensorMap *tmSL,
-                                                 const CUtensorMap *tmBM, const CUtensorMap *tmSM) {
+                                                 const TokenMaps &tm) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     uint2 *units = (uint2 *)(sm + S::kOffUnit);
@@ -737,7 +758,7 @@ struct Kern {
            u += gridDim.x)
         for (int h = 0; h < kHalves && n < early; h++)
           for (int kb = 0; kb < KB && n < early; kb++, n++)
-            load_tokens(sm, u2, kb, n, tmB, tmS, tmBL, tmSL, tmBM, tmSM);
+            load_tokens(sm, u2, kb, n, tm);
       early = -1;
     };
     for (int u = blockIdx.x; next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
@@ -755,12 +776,9 @@ struct Kern {
           for (int i = 0; i < C::kRecs; i++)
             bulk_g2s(dA + i * C::kRec, wrec + ((size_t)i * KB + kb) * C::kRec, kRecCopy,
                      &full[stage]);
-          if (early < 0) load_tokens(sm, un, kb, stage, tmB, tmS, tmBL, tmSL, tmBM, tmSM);
+          if (early < 0) load_tokens(sm, un, kb, stage, tm);
           else if (++early == S::kStages) catch_up(); /* before any stage is reused */
-          if (++stage == S::kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance(stage, phase);
         }
       }
     }
@@ -879,14 +897,7 @@ struct Kern {
       wg_wait<0>();
       fence_acc(acc);
     };
-    auto release = [&]() { /* as in consume: every thread, after a proxy fence */
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      mbar_arrive(&empty[stage]);
-      if (++stage == S::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
+    auto release = [&]() { release_stage(empty, stage, phase); };
     mbar_wait(&full[stage], phase);
     fetch(stage);
 #pragma unroll
@@ -995,12 +1006,9 @@ struct Kern {
             mma<true, BN>(acc[j], a[b][ch][j][0][0], a[b][ch][j][0][1], a[b][ch][j][0][2],
                           a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
         wg_commit();
-        int st2 = stage + 1;
+        int st2 = stage;
         uint32_t ph2 = phase;
-        if (st2 == S::kStages) {
-          st2 = 0;
-          ph2 ^= 1;
-        }
+        advance(st2, ph2);
         if (kb + b + 1 < KB) { /* the next block beside this one's MMAs */
           mbar_wait(&full[st2], ph2);
           fetch(st2, b ^ 1);
@@ -1008,10 +1016,7 @@ struct Kern {
         wg_wait<0>();
 #pragma unroll
         for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive(&empty[stage]);
-        stage = st2;
-        phase = ph2;
+        release_stage(empty, stage, phase); /* to st2, ph2 */
 #pragma unroll
         for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[b], sw[b][j]);
       }
@@ -1204,15 +1209,7 @@ struct Kern {
           wg_wait<0>();
   #pragma unroll
           for (int j = kSplit ? 1 : 0; j < TPW; j++) fence_acc(acc[j]);
-          /* every thread releases its own reads of the stage (an arrive
-           * releases only the arriving thread's accesses), after a proxy
-           * fence: the producer's next bulk copy (async proxy) overwrites it */
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          mbar_arrive(&empty[stage]);
-          if (++stage == S::kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          release_stage(empty, stage, phase);
   #pragma unroll
           for (int j = kSplit ? 1 : 0; j < TPW; j++) promote(j);
         }
@@ -1439,7 +1436,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmBM) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmSM) : "memory");
       }
-      K::produce(p, sm, sched, &tmB, &tmS, &tmBL, &tmSL, &tmBM, &tmSM);
+      K::produce(p, sm, sched, TokenMaps{&tmB, &tmS, &tmBL, &tmSL, &tmBM, &tmSM});
     }
     return;
   }
