@@ -108,7 +108,13 @@
  * producer warpgroup would give; with a producer warp instead of a
  * warpgroup, 288 threads, ptxas caps two CTAs per SM at 96), the turn
  * barriers as immediates in the F16 modes' kernels (1-8% slower at
- * M = 4096-32768).
+ * M = 4096-32768); version 15: 240 registers for the one-CTA consumers
+ * (a 24-register producer: the K loops compile the same, mode 2 at
+ * M = 32768 6% slower), the double-buffered loop in mode 2's 16-wide
+ * tiles (uniform loads 1-3% faster, routed and skewed ones at M = 512
+ * 1-2% slower; mode 4's 16-wide kernels spilled 228-504 bytes with it),
+ * token-scale pairs from a scale box starting at tok0 itself (TMA traps:
+ * illegal instruction).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -165,8 +171,10 @@ struct Cfg {
   static constexpr int kA = kRecs * kRec;
   static constexpr int kSlab = BN * 128;        /* BN tokens x 128 bytes of K */
   static constexpr int kB = kF16 ? 2 * kSlab : kSlab;
-  /* token scales: TMA wants a 16-byte aligned inner start, so the box is
-   * BN + 4 floats from tok0 & ~3, in a 128-aligned slot */
+  /* token scales: TMA wants a 16-byte aligned inner start (a box from tok0
+   * itself, for 8-byte scale pairs, trapped with an illegal instruction on
+   * the H200: docs/PERF.md, version 15), so the box is BN + 4 floats from
+   * tok0 & ~3, in a 128-aligned slot */
   static constexpr int kSBoxN = BN + 4;
   static constexpr int kSBox = 4 * kSBoxN;
   static constexpr int kS = (kSBox + 127) / 128 * 128;
