@@ -4,12 +4,11 @@
  * experts), median time of CUDA-event-timed calls after warm-up with input
  * sets rotated beyond L2.
  * Ceilings measured in the same run: HBM streaming read, cuBLASLt FP8 and
- * BF16 dense GEMM (8192^3, both on the same random values; BF16 on zeros, as
- * before version 15, ran 4-5% faster than on data: 887 against 843-850
- * TFLOP/s), and
- * cuBLASLt FP8 and BF16 baselines with the same FLOPs (the two dense GEMMs
- * [M,H]x[H,2I], [M,I]x[I,H]): issue 4 measures the FP8 modes against FP8 and
- * bf16-exact against BF16.
+ * BF16 dense GEMM (8192^3, both on the same random values: BF16 on zeros, as
+ * before version 15, ran 4-5% faster than on data, 887 against 843-850
+ * TFLOP/s), and cuBLASLt FP8 and BF16 baselines with the same FLOPs (the two
+ * dense GEMMs [M,H]x[H,2I], [M,I]x[I,H]): issue 4 measures the FP8 modes
+ * against FP8 and bf16-exact against BF16.
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]

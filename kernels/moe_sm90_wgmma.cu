@@ -518,6 +518,14 @@ __device__ __forceinline__ float pow2_exact(int e) {
   return __fmul_rn(__int_as_float((h + 127) << 23), __int_as_float((e - h + 127) << 23));
 }
 
+/* The token side's tensor maps of a launch, as the kernel holds them (its
+ * __grid_constant__ parameters): token tile and scales of the BS-wide tiles
+ * (b, s), of the large ones (bl, sl: Kern::kBig) and of the middle ones (bm,
+ * sm: Kern::kMid); the host's TileMaps, by address. */
+struct TokenMaps {
+  const CUtensorMap *b, *s, *bl, *sl, *bm, *sm;
+};
+
 /* The kernel's two roles, warp-specialized: a producer warpgroup (one thread
  * issues the copies) and the consumer warpgroups. BS: the token tile of
  * small experts; kMixed adds larger tiles (kBig) for the others (one CTA per
@@ -531,14 +539,6 @@ __device__ __forceinline__ float pow2_exact(int e) {
  * (docs/PERF.md, version 7). At 16-64-wide tiles ONE measured 2-8% faster
  * (version 8), at 128-wide 8-10% (version 7); mode 4's share of its 8-11%
  * (with the byte permutes, version 8) was not measured apart. */
-/* The token side's tensor maps of a launch, as the kernel holds them (its
- * __grid_constant__ parameters): token tile and scales of the BS-wide tiles
- * (b, s), of the large ones (bl, sl: Kern::kBig) and of the middle ones (bm,
- * sm: Kern::kMid); the host's TileMaps, by address. */
-struct TokenMaps {
-  const CUtensorMap *b, *s, *bl, *sl, *bm, *sm;
-};
-
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
