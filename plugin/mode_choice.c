@@ -6,12 +6,11 @@
 
 /* Measured on an H200: one EP8 rank of GLM-5 (32 local experts, H 6144,
  * I 2048), bench_moe_compute medians in microseconds, uniform routing,
- * version 12's kernels (twelfth stop). Modes 1 and 4 with per-block
- * references (`--block-refs`), the slower of their two forms (where every
- * row takes the packer's row anchor they run 1-6% faster), mean of two runs;
- * mode 3 mean of two runs; mode 2 mean of two runs with its scale-pair K
- * order (mm_sm90_kperm).
- * Source: docs/PERF.md, version 12. */
+ * version 15's kernels (fifteenth stop), mean of two runs. Modes 1 and 4
+ * with per-block references (`--block-refs`), the slower of their two forms
+ * (where every row takes the packer's row anchor they run faster: mode 1
+ * 170-171 / 201-203 / 2837-2880 us).
+ * Source: docs/PERF.md, version 15 (call 11). */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
 
@@ -34,10 +33,10 @@ typedef struct mode_row {
 
 /* Indexed by mm_weight_mode (1..4). */
 static const mode_row rows[5] = {
-  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {180.9, 228.2, 3217.4}},
-  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {228.4, 266.8, 4598.4}},
-  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {211.8, 256.8, 3500.9}},
-  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {260.8, 297.7, 4773.3}},
+  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {182.5, 220.7, 3222.5}},
+  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {222.1, 256.0, 4248.3}},
+  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {214.4, 250.7, 3428.1}},
+  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {250.9, 294.3, 4815.3}},
 };
 
 static int known(mm_weight_mode m) { return m >= MM_WMODE_G32_FP8 && m <= MM_WMODE_G32_F16_EXACT; }
