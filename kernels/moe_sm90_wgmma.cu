@@ -115,7 +115,9 @@
  * 1-2% slower; mode 4's 16-wide kernels spilled 228-504 bytes with it),
  * token-scale pairs from a scale box starting at tok0 itself (TMA traps:
  * illegal instruction; where the start is aligned anyway, uniform loads,
- * within +-2%: the 128-wide loop waits on its chain, not on issue slots).
+ * within +-2%: the 128-wide loop waits on its chain, not on issue slots),
+ * a shallower ring (6 or 4 stages: within noise), and mode 2's mixed 16/32
+ * tiles at two CTAs per SM (ptxas: 208-504 bytes of spills at 104).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
