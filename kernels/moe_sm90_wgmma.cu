@@ -1629,20 +1629,18 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, int m
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128;
   const uint64_t row_bytes = (f16 ? 2ull : 1ull) * (uint64_t)K;
-  MM_TRY(make_map(&m->b, dt, x, K, rows, row_bytes, box0, bs, true));
-  MM_TRY(make_map(&m->s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
-                  bs + 4, 1, false));
+  /* the token tile map of `width` rows and its scale map (Cfg::kSBoxN) */
+  auto tile_and_scales = [&](CUtensorMap *b, CUtensorMap *s, int width) -> mm_err * {
+    MM_TRY(make_map(b, dt, x, K, rows, row_bytes, box0, width, true));
+    return make_map(s, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
+                    width + 4, 1, false);
+  };
+  MM_TRY(tile_and_scales(&m->b, &m->s, bs));
   m->bl = m->bm = m->b;
   m->sl = m->sm = m->s;
   if (!mixed) return NULL;
-  MM_TRY(make_map(&m->bl, dt, x, K, rows, row_bytes, box0, big, true));
-  MM_TRY(make_map(&m->sl, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
-                  big + 4, 1, false));
-  if (!mid) return NULL;
-  MM_TRY(make_map(&m->bm, dt, x, K, rows, row_bytes, box0, mid, true));
-  MM_TRY(make_map(&m->sm, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, scales_t, Mp, K / 128, 4ull * Mp,
-                  mid + 4, 1, false));
-  return NULL;
+  MM_TRY(tile_and_scales(&m->bl, &m->sl, big));
+  return mid ? tile_and_scales(&m->bm, &m->sm, mid) : NULL;
 }
 
 /* One kernel of BS-wide tiles: in modes 1 and 4 the ONE kernel where every
