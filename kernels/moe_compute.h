@@ -105,6 +105,11 @@ mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
 mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
                                    const void *workspace, int rows, uint8_t *act, float *scales);
 
+/* Tests: the L1 epilogue's silu (its division's fast path taken for a
+ * whole group of values at once) against the division, on every BF16 gate
+ * value; *mismatches counts the results whose bits differ. Synchronous. */
+mm_err *mm_sm90_check_silu(unsigned long long *mismatches);
+
 /* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), the same values as
  * BF16 (n elements), uniform floats, and a streaming read of `bytes` (for the
  * HBM read ceiling). Asynchronous. */

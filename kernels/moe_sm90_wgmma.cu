@@ -365,6 +365,50 @@ __device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
 __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
+/* silu(g) = g / (1 + e^-g) for N values, bit for bit what that expression
+ * (mm_swiglu_weighted's) gives on the device, without a branch per value: the division's own fast path
+ * (a reciprocal and two Newton steps, then one correction, as div.rn.f32
+ * takes when its range check passes) for every value, and the division
+ * itself for all N only where some value lies outside the range where that
+ * path is exact. Per value, `/` compiles to the fast path and a branch to a
+ * slow-path call; the convergence region around each kept the 32 divisions
+ * of an epilogue one after the other (docs/PERF.md, version 16). The range:
+ * g finite, at least -87 and |g| at least 2^-100, so that 1 + e^-g lies in
+ * [1, 2^126) (exactly 1 from g = 17 up) and the quotient is normal; g = +-0
+ * gives g itself (-0 / b is -0, which the path would make +0), and a g
+ * whose 1 + e^-g is infinite (below about -88.7) gives -0. NaN, infinities
+ * and the few values in between take the division. mm_sm90_check_silu
+ * compares this with `/` on every BF16 value of g. */
+template <int N>
+__device__ __forceinline__ void silu_n(const float (&g)[N], float (&s)[N]) {
+  bool fast = true;
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    const float b = 1.0f + expf(-g[k]), ag = fabsf(g[k]);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+    r = fmaf(r, fmaf(-b, r, 1.0f), r);
+    const float q = g[k] * r;
+    const float f = fmaf(r, fmaf(-b, q, g[k]), q);
+    const bool inf_b = b == __int_as_float(0x7f800000);
+    fast = fast && (ag <= 0x1.fffffep127f && (g[k] >= -87.0f || inf_b) &&
+                    (ag >= 0x1p-100f || ag == 0.0f));
+    s[k] = ag == 0.0f ? g[k] : inf_b ? -0.0f : f;
+  }
+  /* one division for all N in a loop, its value picked and put back with
+   * selects: indexing g and s at run time would put them in local memory,
+   * and N divisions unrolled would each bring their slow-path call */
+  if (!fast)
+#pragma unroll 1
+    for (int k = 0; k < N; k++) {
+      float gk = g[0];
+#pragma unroll
+      for (int j = 1; j < N; j++) gk = k == j ? g[j] : gk;
+      const float sk = gk / (1.0f + expf(-gk));
+#pragma unroll
+      for (int j = 0; j < N; j++) s[j] = k == j ? sk : s[j];
+    }
+}
 /* Token column of the k-th of a lane's N / 4 accumulator columns (q = lane
  * % 4): the m64nN fragment holds column 8 * (k / 2) + 2q + (k & 1) in
  * register 4 * (k / 2) + (k & 1) (row r0) and in that + 2 (row r0 + 8). */
@@ -589,6 +633,9 @@ struct Kern {
    * first turn; warpgroup 0 takes the last grant. */
   static constexpr bool kPingPong = BS == 64 || (kMixed && kBig == 64) || (kWide && CM::kF16);
   static constexpr int kTurn = 2; /* barriers 2 and 3: turn_sync, turn_grant */
+  /* barriers 4 and 5: the L2 epilogue of warpgroup 0 / 1 (barrier 1: the
+   * L1 epilogue, both warpgroups) */
+  static constexpr int kEpilogueWg = 4;
   static_assert(kTurn == 2 && kConsumers == 2, "turn_sync's immediates");
   /* Mode 2 with one CTA per SM: a block's scale pairs are made with its
    * records, not in the decode (Kern::consume; the two-CTA kernels spill
@@ -1238,16 +1285,21 @@ struct Kern {
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
           const float rsg = row_factor(rsf[j][0]), rsu = row_factor(rsf[j][1]);
+          float gt[NC], up[NC], s[NC];
 #pragma unroll
           for (int k = 0; k < NC; k++) {
             const int i = 4 * (k >> 1) + (k & 1);
-            float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
+            gt[k] = round_bf16(fin[j][i] * rsg);
+            up[k] = round_bf16(fin[j][i + 2] * rsu);
             if (p.clamp > 0.0f) {
-              gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
-              up = mm_clamp_up(up, p.clamp);
+              gt[k] = mm_clamp_gate(gt[k], p.clamp); /* keeps NaN, unlike fminf */
+              up[k] = mm_clamp_up(up[k], p.clamp);
             }
-            const float s = gt / (1.0f + expf(-gt));
-            av[j][k] = (s * up) * rwv[k];
+          }
+          silu_n(gt, s);
+#pragma unroll
+          for (int k = 0; k < NC; k++) {
+            av[j][k] = (s[k] * up[k]) * rwv[k];
             amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
           }
         }
@@ -1349,14 +1401,19 @@ struct Kern {
                 : "memory");
           }
         }
-        named_sync(1, 128 * kConsumers);
-        for (int idx = ct; idx < BN * kRowChunks; idx += 128 * kConsumers) {
-          const int row = (unsigned)idx / kRowChunks, ck = (unsigned)idx % kRowChunks;
+        /* Each warpgroup copies out its own tiles' chunks of the token rows
+         * (the swizzle keeps a chunk within its aligned 8), so the barriers
+         * are the warpgroup's own (kEpilogueWg + c): neither waits for the
+         * other's epilogue, which may then run beside the other's MMAs. */
+        constexpr int kWgChunks = kRowChunks / kConsumers;
+        named_sync(kEpilogueWg + c, 128);
+        for (int idx = tid; idx < BN * kWgChunks; idx += 128) {
+          const int row = (unsigned)idx / kWgChunks, ck = c * kWgChunks + (unsigned)idx % kWgChunks;
           if (row < un.valid)
             *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + h * kCols +
                        ck * 8) = *(const uint4 *)(stg16 + row * kCols + (ck ^ (row & 7)) * 8);
         }
-        named_sync(1, 128 * kConsumers);
+        named_sync(kEpilogueWg + c, 128);
       }
     }
   }
@@ -1742,7 +1799,43 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   return NULL;
 }
 
+/* Every BF16 value g (thread g of 65536) through silu_n alone and paired
+ * with another value, against the division: the bit patterns must agree
+ * (NaN with NaN). */
+__global__ void silu_check_kernel(unsigned long long *mismatches) {
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536u) return;
+  const unsigned j = (i * 40503u + 12345u) & 0xFFFFu; /* a partner, in or out of the fast range */
+  const float g1[1] = {__uint_as_float(i << 16)};
+  const float g2[2] = {g1[0], __uint_as_float(j << 16)};
+  float s1[1], s2[2];
+  silu_n(g1, s1);
+  silu_n(g2, s2);
+  auto same = [](float a, float b) {
+    return __float_as_uint(a) == __float_as_uint(b) || (a != a && b != b);
+  };
+  const float want = g1[0] / (1.0f + expf(-g1[0])), want2 = g2[1] / (1.0f + expf(-g2[1]));
+  const int bad = !same(s1[0], want) + !same(s2[0], want) + !same(s2[1], want2);
+  if (bad) atomicAdd(mismatches, (unsigned long long)bad);
+}
+
 }  // namespace
+
+extern "C" mm_err *mm_sm90_check_silu(unsigned long long *mismatches) {
+  unsigned long long *d = NULL;
+  MM_CUDA_TRY(cudaMalloc(&d, sizeof(*d)));
+  mm_err *err = NULL;
+  cudaError_t e = cudaMemset(d, 0, sizeof(*d));
+  if (e == cudaSuccess) {
+    silu_check_kernel<<<256, 256>>>(d);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaMemcpy(mismatches, d, sizeof(*d), cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess)
+    err = mm_error(MEGAMOE_CODE_INTERNAL, "silu check: %s", cudaGetErrorString(e));
+  cudaFree(d);
+  return err;
+}
 
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
   if (L->H % kRowsCta) return "hidden size must be a multiple of 256";

@@ -504,6 +504,14 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
 }
 
+/* The L1 epilogue's silu, which takes the division's fast path without a
+ * branch per value, against the division on every BF16 gate value. */
+static void test_silu_every_bf16(void) {
+  unsigned long long bad = ~0ull;
+  CHECK_OK(mm_sm90_check_silu(&bad));
+  CHECK_MSG(bad == 0, "%llu silu results differ from g / (1 + expf(-g))", bad);
+}
+
 static void test_bad_args(void) {
   mm_expert_q ex;
   memset(&ex, 0, sizeof(ex));
@@ -535,6 +543,7 @@ int main(void) {
   if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
   RUN(test_bad_args);
+  RUN(test_silu_every_bf16);
   RUN(test_mode1_g32);
   RUN(test_mode2_g16_exact);
   RUN(test_mode3_g16_fp8);
