@@ -105,6 +105,11 @@ mm_err *mm_sm90_layer_create_random(int num_local, int hidden, int intermediate,
 mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
                                    const void *workspace, int rows, uint8_t *act, float *scales);
 
+/* The L1 epilogue's silu table (moe_sm90_wgmma.cu): filled once per device
+ * on `stream` and waited for. Every layer creation calls it, so the table is
+ * written before any compute of the device can read it. */
+mm_err *mm_sm90_silu_table_init(void *stream);
+
 /* Tests: the L1 epilogue's silu (its division's fast path taken for a
  * whole group of values at once) against the division, on every BF16 gate
  * value; *mismatches counts the results whose bits differ. Synchronous. */

@@ -88,6 +88,7 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "sm90 layer: hidden %d and intermediate %d must be multiples of 128", H, I);
   cudaStream_t st = (cudaStream_t)stream;
+  MM_TRY(mm_sm90_silu_table_init(st));
   mm_sm90_layer *L = layer_new(mode, num_local, H, I);
   if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
   mm_err *err = NULL;
@@ -485,6 +486,7 @@ extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_w
   MM_ARG_CHECK(num_local > 0 && H > 0 && I > 0 && H % 128 == 0 && I % 128 == 0,
                "sm90 random layer: bad shape E=%d H=%d I=%d", num_local, H, I);
   cudaStream_t st = (cudaStream_t)stream;
+  MM_TRY(mm_sm90_silu_table_init(st));
   mm_sm90_layer *L = layer_new(mode, num_local, H, I);
   if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
   const size_t wbytes = L->expert_bytes * (size_t)num_local;

@@ -145,6 +145,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <mutex>
 
 #include "moe_sm90_impl.h"
 
@@ -408,6 +409,20 @@ __device__ __forceinline__ void silu_n(const float (&g)[N], float (&s)[N]) {
 #pragma unroll
       for (int j = 0; j < N; j++) s[j] = k == j ? sk : s[j];
     }
+}
+/* silu of every BF16 value, by bit pattern: the L1 epilogue's gates are
+ * BF16 (or the clamp), so one load replaces silu_n's 14 instructions per
+ * value (exp, reciprocal, Newton steps, range checks) with the same bits.
+ * Filled once per device by mm_sm90_silu_table_init, at layer creation. */
+__device__ float g_silu_bf16[65536];
+
+__global__ void silu_table_kernel() {
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536u) return;
+  const float g[1] = {__uint_as_float(i << 16)};
+  float s[1];
+  silu_n(g, s);
+  g_silu_bf16[i] = s[0];
 }
 /* Token column of the k-th of a lane's N / 4 accumulator columns (q = lane
  * % 4): the m64nN fragment holds column 8 * (k / 2) + 2q + (k & 1) in
@@ -1279,27 +1294,31 @@ struct Kern {
       const int ct = c * 128 + tid;
       if (GEMM == 1) {
         const int I = p.rows / 2;
-        float av[TPW][NC], amx[NC];
+        float av[TPW][NC], amx[NC], silu_c = 0.0f;
+        if (p.clamp > 0.0f) {
+          const float cl[1] = {p.clamp};
+          float sc[1];
+          silu_n(cl, sc);
+          silu_c = sc[0];
+        }
 #pragma unroll
         for (int k = 0; k < NC; k++) amx[k] = 0.0f;
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
           const float rsg = row_factor(rsf[j][0]), rsu = row_factor(rsf[j][1]);
-          float gt[NC], up[NC], s[NC];
 #pragma unroll
           for (int k = 0; k < NC; k++) {
             const int i = 4 * (k >> 1) + (k & 1);
-            gt[k] = round_bf16(fin[j][i] * rsg);
-            up[k] = round_bf16(fin[j][i + 2] * rsu);
+            float gt = round_bf16(fin[j][i] * rsg), up = round_bf16(fin[j][i + 2] * rsu);
             if (p.clamp > 0.0f) {
-              gt[k] = mm_clamp_gate(gt[k], p.clamp); /* keeps NaN, unlike fminf */
-              up[k] = mm_clamp_up(up[k], p.clamp);
+              gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
+              up = mm_clamp_up(up, p.clamp);
             }
-          }
-          silu_n(gt, s);
-#pragma unroll
-          for (int k = 0; k < NC; k++) {
-            av[j][k] = (s[k] * up[k]) * rwv[k];
+            /* a BF16 gate from the table; a clamped one that BF16 cannot
+             * hold is the clamp itself, whose silu is silu_c */
+            const uint32_t gb = __float_as_uint(gt);
+            const float s = gb & 0xFFFFu ? silu_c : __ldg(&g_silu_bf16[gb >> 16]);
+            av[j][k] = (s * up) * rwv[k];
             amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
           }
         }
@@ -1800,8 +1819,8 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
 }
 
 /* Every BF16 value g (thread g of 65536) through silu_n alone and paired
- * with another value, against the division: the bit patterns must agree
- * (NaN with NaN). */
+ * with another value, and its g_silu_bf16 entry, against the division: the
+ * bit patterns must agree (NaN with NaN). */
 __global__ void silu_check_kernel(unsigned long long *mismatches) {
   const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 65536u) return;
@@ -1815,13 +1834,33 @@ __global__ void silu_check_kernel(unsigned long long *mismatches) {
     return __float_as_uint(a) == __float_as_uint(b) || (a != a && b != b);
   };
   const float want = g1[0] / (1.0f + expf(-g1[0])), want2 = g2[1] / (1.0f + expf(-g2[1]));
-  const int bad = !same(s1[0], want) + !same(s2[0], want) + !same(s2[1], want2);
+  const int bad = !same(s1[0], want) + !same(s2[0], want) + !same(s2[1], want2) +
+                  !same(g_silu_bf16[i], want);
   if (bad) atomicAdd(mismatches, (unsigned long long)bad);
 }
 
 }  // namespace
 
+extern "C" mm_err *mm_sm90_silu_table_init(void *stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  /* one bit per device; the mutex keeps a second thread of the same device
+   * from returning before the table is written */
+  static std::mutex mu;
+  static uint64_t done = 0;
+  int dev = 0;
+  MM_CUDA_TRY(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done & bit) return NULL;
+  silu_table_kernel<<<256, 256, 0, st>>>();
+  MM_CUDA_TRY(cudaGetLastError());
+  MM_CUDA_TRY(cudaStreamSynchronize(st));
+  done |= bit;
+  return NULL;
+}
+
 extern "C" mm_err *mm_sm90_check_silu(unsigned long long *mismatches) {
+  MM_TRY(mm_sm90_silu_table_init(NULL));
   unsigned long long *d = NULL;
   MM_CUDA_TRY(cudaMalloc(&d, sizeof(*d)));
   mm_err *err = NULL;
