@@ -117,7 +117,13 @@
  * illegal instruction; where the start is aligned anyway, uniform loads,
  * within +-2%: the 128-wide loop waits on its chain, not on issue slots),
  * a shallower ring (6 or 4 stages: within noise), and mode 2's mixed 16/32
- * tiles at two CTAs per SM (ptxas: 208-504 bytes of spills at 104).
+ * tiles at two CTAs per SM (ptxas: 208-504 bytes of spills at 104);
+ * version 16: the wide tiles' epilogue factors loaded beside the last
+ * block's MMAs (no faster: the epilogue is held by its instructions, not by
+ * those loads), and each wide half's epilogue run beside the next half's
+ * first MMAs (block 0 peeled off the K loop; 5-10% slower at M = 4096-32768,
+ * with 72-644 bytes of spills in the L1 kernels; a rotated loop instead made
+ * ptxas serialize every MMA, C7514).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -367,13 +373,15 @@ __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
 /* silu(g) = g / (1 + e^-g) for N values, bit for bit what that expression
- * (mm_swiglu_weighted's) gives on the device, without a branch per value: the division's own fast path
- * (a reciprocal and two Newton steps, then one correction, as div.rn.f32
- * takes when its range check passes) for every value, and the division
- * itself for all N only where some value lies outside the range where that
- * path is exact. Per value, `/` compiles to the fast path and a branch to a
- * slow-path call; the convergence region around each kept the 32 divisions
- * of an epilogue one after the other (docs/PERF.md, version 16). The range:
+ * (mm_swiglu_weighted's) gives on the device, without a branch per value:
+ * the division's own fast path (a reciprocal and two Newton steps, then one
+ * correction, as div.rn.f32 takes when its range check passes) for every
+ * value, and the division itself for all N only where some value lies
+ * outside the range where that path is exact. Per value, `/` compiles to the
+ * fast path and a branch to a slow-path call; the convergence region around
+ * each kept the 32 divisions of an epilogue one after the other
+ * (docs/PERF.md, version 16). It fills the silu table (g_silu_bf16) and
+ * gives the silu of a clamp that BF16 cannot hold. The range:
  * g finite, at least -87 and |g| at least 2^-100, so that 1 + e^-g lies in
  * [1, 2^126) (exactly 1 from g = 17 up) and the quotient is normal; g = +-0
  * gives g itself (-0 / b is -0, which the path would make +0), and a g
@@ -412,7 +420,8 @@ __device__ __forceinline__ void silu_n(const float (&g)[N], float (&s)[N]) {
 }
 /* silu of every BF16 value, by bit pattern: the L1 epilogue's gates are
  * BF16 (or the clamp), so one load replaces silu_n's 14 instructions per
- * value (exp, reciprocal, Newton steps, range checks) with the same bits.
+ * value (exp, reciprocal, Newton steps, range checks) with the same bits:
+ * 1-4% faster than silu_n at M = 4096-32768 (docs/PERF.md, version 16).
  * Filled once per device by mm_sm90_silu_table_init, at layer creation. */
 __device__ float g_silu_bf16[65536];
 
