@@ -110,9 +110,10 @@ mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *layer, int num_rows_max,
  * written before any compute of the device can read it. */
 mm_err *mm_sm90_silu_table_init(void *stream);
 
-/* Tests: the L1 epilogue's silu (its division's fast path taken for a
- * whole group of values at once) against the division, on every BF16 gate
- * value; *mismatches counts the results whose bits differ. Synchronous. */
+/* Tests: the L1 epilogue's silu table and silu_n (the division's fast path
+ * taken for a whole group of values at once) against the division, on every
+ * BF16 gate value; *mismatches counts the results whose bits differ.
+ * Synchronous. */
 mm_err *mm_sm90_check_silu(unsigned long long *mismatches);
 
 /* Benchmark helpers: random FP8 bytes (no NaN, |v| < 2), the same values as

@@ -504,8 +504,9 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
 }
 
-/* The L1 epilogue's silu, which takes the division's fast path without a
- * branch per value, against the division on every BF16 gate value. */
+/* The L1 epilogue's silu table and silu_n (the division's fast path
+ * without a branch per value, which fills it) against the division on every
+ * BF16 gate value. */
 static void test_silu_every_bf16(void) {
   unsigned long long bad = ~0ull;
   CHECK_OK(mm_sm90_check_silu(&bad));
