@@ -421,7 +421,8 @@ __device__ __forceinline__ void silu_n(const float (&g)[N], float (&s)[N]) {
 /* silu of every BF16 value, by bit pattern: the L1 epilogue's gates are
  * BF16 (or the clamp), so one load replaces silu_n's 14 instructions per
  * value (exp, reciprocal, Newton steps, range checks) with the same bits:
- * 1-4% faster than silu_n at M = 4096-32768 (docs/PERF.md, version 16).
+ * modes 1, 2 and 4 0.5-3% faster than with silu_n at M = 4096-32768, mode
+ * 3 equal (docs/PERF.md, version 16).
  * Filled once per device by mm_sm90_silu_table_init, at layer creation. */
 __device__ float g_silu_bf16[65536];
 
