@@ -23,12 +23,18 @@
  * --loads: which expert loads to run per M (default all three): uniform (M / E
  * rows each), skewed (expert 0 takes half) and random (each row routed to an
  * expert drawn uniformly, fixed seed: the spread of real routing, where about
- * half the experts hold more than the average). */
+ * half the experts hold more than the average);
+ * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
+ * operation for t ms, then times its iterations: the H200 reaches its 700 W
+ * power cap within about a second of prefill-sized work and lowers its clocks
+ * (docs/PERF.md, version 17). 0 (the default): three warm-up runs, the
+ * short-burst numbers of earlier versions. */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../bench/bench_util.h" /* OK(): a failed call ends the run */
 #include "moe_compute.h"
@@ -49,6 +55,21 @@
       return -1.0;                                                                     \
     }                                                                                  \
   } while (0)
+
+/* --warmup-ms: how long each measurement runs its operation before timing */
+static double g_warmup_ms = 0.0;
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+/* True while the warm-up that started at t0 lasts; waits for the stream, so
+ * that the time counted is the device's. */
+static int warming(double t0, cudaStream_t st) {
+  if (g_warmup_ms <= 0.0) return 0;
+  CK(cudaStreamSynchronize(st));
+  return now_ms() - t0 < g_warmup_ms;
+}
 
 static int cmp_f(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
@@ -93,6 +114,9 @@ static double lt_time(lt_ctx *c, int m, int n, int k, cudaDataType_t ab, const v
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   float *t = malloc(sizeof(float) * (size_t)(iters + 3));
+  for (const double t0 = now_ms(); warming(t0, st);)
+    CKL(cublasLtMatmul(c->lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &h.algo, c->ws,
+                       c->ws_bytes, st));
   for (int i = 0; i < iters + 3; i++) {
     CK(cudaEventRecord(e0, st));
     CKL(cublasLtMatmul(c->lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &h.algo, c->ws,
@@ -153,6 +177,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--H")) H = atoi(v), i++;
     else if (!strcmp(a, "--I")) I = atoi(v), i++;
     else if (!strcmp(a, "--iters")) iters = atoi(v), i++;
+    else if (!strcmp(a, "--warmup-ms")) g_warmup_ms = atof(v), i++;
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
@@ -194,9 +219,9 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s\n", prop.name,
-         prop.multiProcessorCount, mode_name, E, H, I, iters,
-         block_refs ? "; per-block references" : "");
+  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s; warm-up %.0f ms\n",
+         prop.name, prop.multiProcessorCount, mode_name, E, H, I, iters,
+         block_refs ? "; per-block references" : "", g_warmup_ms);
 
   mm_sm90_layer *L = NULL;
   OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));
@@ -216,6 +241,7 @@ int main(int argc, char **argv) {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     float t[7];
+    for (const double t0 = now_ms(); warming(t0, st);) OK(mm_sm90_bench_read(buf, rb, sink, st));
     for (int i = 0; i < 9; i++) {
       CK(cudaEventRecord(e0, st));
       OK(mm_sm90_bench_read(buf, rb, sink, st));
@@ -311,6 +337,12 @@ int main(int argc, char **argv) {
       CK(cudaEventCreate(&e0));
       CK(cudaEventCreate(&e1));
       float *t = malloc(sizeof(float) * (size_t)iters);
+      int wi = 0;
+      for (const double t0 = now_ms(); warming(t0, st); wi++) {
+        input_set *s = &sets[wi % nsets];
+        mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0};
+        OK(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
+      }
       for (int i = 0; i < iters + 3; i++) {
         input_set *s = &sets[i % nsets];
         mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0};

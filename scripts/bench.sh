@@ -3,7 +3,9 @@
 # by hand: scripts/bench.sh [build dir]). Prints markdown tables for
 # docs/PERF.md. Needs a GPU; exits 77 without one. Uses every visible GPU
 # for the expert-parallel parts.
-#   BENCH_ARGS     extra arguments for bench_moe_compute (e.g. "--M 256,1024")
+#   BENCH_ARGS     extra arguments for bench_moe_compute (e.g. "--M 256,1024", or
+#                  "--warmup-ms 1500" for the sustained state, where the H200 runs
+#                  at its power cap: docs/PERF.md, version 17)
 #   BENCH_EP_ARGS  arguments for bench_ep (default: --tokens 4096 --ll-tokens 1,32,128)
 #   BENCH_LAYER=0  skip the whole-layer run (it synthesizes a 5.4 GB GLM-5 layer
 #                  in BENCH_WORK, default a temp dir, unless BENCH_LAYER_CKPT names one)
