@@ -6,6 +6,8 @@
 #   BENCH_ARGS     extra arguments for bench_moe_compute (e.g. "--M 256,1024", or
 #                  "--warmup-ms 1500" for the sustained state, where the H200 runs
 #                  at its power cap: docs/PERF.md, version 17)
+#   BENCH_SUSTAINED=0  skip the sustained prefill rows (M = 32768 after 1.5 s of
+#                  warm-up per measurement, every mode)
 #   BENCH_EP_ARGS  arguments for bench_ep (default: --tokens 4096 --ll-tokens 1,32,128)
 #   BENCH_LAYER=0  skip the whole-layer run (it synthesizes a 5.4 GB GLM-5 layer
 #                  in BENCH_WORK, default a temp dir, unless BENCH_LAYER_CKPT names one)
@@ -28,6 +30,17 @@ if [ -x "$b" ]; then
     # shellcheck disable=SC2086
     "$b" $args ${BENCH_ARGS:-}
   done
+  # Prefill in the sustained state: each measurement (ceilings included) runs
+  # 1.5 s first, so that ours and cuBLASLt both run at the power cap
+  # (docs/PERF.md, version 17). BENCH_SUSTAINED=0 skips it.
+  if [ "${BENCH_SUSTAINED:-1}" != 0 ]; then
+    for args in "--gran-k 32" "--gran-k 32 --compute bf16-exact" "--gran-k 16 --compute bf16-exact" \
+      "--gran-k 16 --compute fp8"; do
+      echo "## bench_moe_compute $args --warmup-ms 1500 --M 32768 --loads uniform (sustained)"
+      # shellcheck disable=SC2086
+      "$b" $args --warmup-ms 1500 --M 32768 --loads uniform
+    done
+  fi
 fi
 
 ## Weight preparation on the GPU and the CPU load path
