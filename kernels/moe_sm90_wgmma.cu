@@ -157,6 +157,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 #include "moe_sm90_impl.h"
 
@@ -1858,19 +1859,19 @@ __global__ void silu_check_kernel(unsigned long long *mismatches) {
 
 extern "C" mm_err *mm_sm90_silu_table_init(void *stream) {
   cudaStream_t st = (cudaStream_t)stream;
-  /* one bit per device; the mutex keeps a second thread of the same device
-   * from returning before the table is written */
+  /* a flag per device (any device number); the mutex keeps a second thread
+   * of the same device from returning before the table is written */
   static std::mutex mu;
-  static uint64_t done = 0;
+  static std::vector<bool> done;
   int dev = 0;
   MM_CUDA_TRY(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
   std::lock_guard<std::mutex> lock(mu);
-  if (done & bit) return NULL;
+  if ((size_t)dev < done.size() && done[dev]) return NULL;
   silu_table_kernel<<<256, 256, 0, st>>>();
   MM_CUDA_TRY(cudaGetLastError());
   MM_CUDA_TRY(cudaStreamSynchronize(st));
-  done |= bit;
+  if ((size_t)dev >= done.size()) done.resize((size_t)dev + 1, false);
+  done[dev] = true;
   return NULL;
 }
 
