@@ -20,9 +20,9 @@
  *
  * Token tiles (mm_sm90_run_wgmma picks them from the average rows per
  * expert): 16, 32, 64 or 128 tokens; with 16 or 32, an expert holding more
- * rows than that gets 64-wide tiles ("mixed tiles"; 32-wide in mode 2's
- * 16-wide kernels, Kern::kBig), so its weights are decoded once per 64 (32)
- * of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
+ * rows than that gets 64-wide tiles ("mixed tiles"; 32-wide in the 16-wide
+ * kernels of modes 1-3, Kern::kBig), so its weights are decoded once per 64
+ * (32) of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
  * wide, first (Kern::kMid). With 60-64 rows per expert, a launch pair gives
  * the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
@@ -31,9 +31,9 @@
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
  * with less waste (129-160 rows: one tile instead of two), 128-wide ones for
  * the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In the decode
- * regime of the FP8 modes the grid runs two CTAs per SM with 16-wide tiles
- * only (more warps to hide the decode's latency; the 64-wide accumulators do
- * not fit their registers). With 64-wide tiles (and 128- and 160-wide ones in
+ * regime of the FP8 modes (up to 12 rows per expert) the grid runs two CTAs
+ * per SM with 16-wide tiles only (more warps to hide the decode's latency;
+ * larger tiles do not fit their registers). With 64-wide tiles (and 128- and 160-wide ones in
  * the F16 modes) the two consumer warpgroups take turns issuing their MMAs
  * (Kern::kPingPong). 128- and 160-wide tiles decode one K block ahead
  * (Kern::k_loop_ahead): block kb + 1's decode runs beside block kb's
@@ -619,11 +619,14 @@ struct TokenMaps {
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
-  /* the mixed kernels' large tile: 64, or 32 in mode 2's 16-wide kernels
-   * (version 13: with random routing at 8-16 rows per expert 9-21% faster,
-   * even loads equal; with a 64-wide one beside it, version 14, 6-10%
-   * slower at M = 384-512 skewed) */
-  static constexpr int kBig = BS == 16 && MODE == 2 ? 32 : 64;
+  /* the mixed kernels' large tile: 64, or 32 in the 16-wide kernels of
+   * modes 1-3 (mode 2, version 13: with random routing at 8-16 rows per
+   * expert 9-21% faster, even loads equal; with a 64-wide one beside it,
+   * version 14, 6-10% slower at M = 384-512 skewed; the FP8 modes' one-CTA
+   * 16-wide kernels run 14-16 rows per expert, version 18). Mode 4 keeps 64
+   * with a 32-wide middle tile (version 13: 32 alone 2-4% slower on even
+   * loads). */
+  static constexpr int kBig = BS == 16 && MODE != 4 ? 32 : 64;
   /* Middle tiles (0: none): an expert of BS + 1 to kMid rows gets kMid-wide
    * tiles, above that kBig-wide ones. The F16 modes' 32-wide kernels take
    * 48 and mode 4's 16-wide ones 32: under random routing, where half the
@@ -1914,11 +1917,18 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * than the tile get larger ones (mixed tiles, Kern::kBig). Above 64 rows per expert,
    * 128-wide tiles: half the decode work per MMA, measured 17-24% faster
    * than 64-wide from 96 rows per expert up, slower at 64 and below, where
-   * they run mostly empty. At <= 16 rows per expert the FP8 modes run two
+   * they run mostly empty. At <= 12 rows per expert the FP8 modes run two
    * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
-   * decode's latency, measured 2-10% faster on even loads (8 and 16 rows
-   * per expert), but 15% slower at 8 rows when one expert takes half of
-   * them (docs/PERF.md). The 128-wide choice runs the launch
+   * decode's latency, 2-7% faster than one CTA on even and routed loads at
+   * 4-12 rows per expert, 6-10% slower when one expert takes half of the
+   * rows. From 13 rows on, routed loads put a sixth to half of the experts
+   * above 16 rows, and the two-CTA kernels decode their weights twice (two
+   * 16-wide tiles): one CTA with 32-wide large tiles (Kern::kBig) ran M =
+   * 448-512 routed 16-22% faster and skewed 4-11% faster, even loads 2-4%
+   * slower (docs/PERF.md, version 18). The F16 modes keep 32-wide tiles up
+   * to 48 rows per expert: their 48-wide middle tiles (Kern::kMid) beat
+   * 64-wide tiles by 11-12% on even loads at 34-48 rows, 13-16% skewed,
+   * routed -12 to +2%. The 128-wide choice runs the launch
    * pair (run_mode's BS2): each expert gets 128- or 160-wide tiles,
    * whichever covers its rows with less waste (mm_sm90_wide_tiles). From 60
    * to 64 rows per expert the 64-wide tiles run a pair too, 128-wide tiles
@@ -1927,9 +1937,9 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * faster, 2-3% slower (few experts pass 64 rows; docs/PERF.md, version 14). */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
-  int bn = avg <= 16 ? 16 : avg <= 32 ? 32 : avg <= 64 ? 64 : 128;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int cps = fp8 && avg <= 16 ? 2 : 1;
+  int bn = avg <= 16 ? 16 : avg <= (fp8 ? 32 : 48) ? 32 : avg <= 64 ? 64 : 128;
+  int cps = fp8 && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
