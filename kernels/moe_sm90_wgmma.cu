@@ -1912,33 +1912,36 @@ const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L) {
 mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                           const mm_sm90_ws *ws, cudaStream_t stream) {
   /* Token tile from the average rows per expert (the counts live on the
-   * device; the caller's rows hint, else the capacity): small tiles in the
+   * device; the caller's rows hint, else the capacity). Small tiles in the
    * decode regime waste no MMA and promotion work; experts with more rows
-   * than the tile get larger ones (mixed tiles, Kern::kBig). Above 64 rows per expert,
-   * 128-wide tiles: half the decode work per MMA, measured 17-24% faster
-   * than 64-wide from 96 rows per expert up, slower at 64 and below, where
-   * they run mostly empty. At <= 12 rows per expert the FP8 modes run two
-   * CTAs per SM instead, 16-wide tiles only: twice the warps to hide the
-   * decode's latency, 2-7% faster than one CTA on even and routed loads at
-   * 4-12 rows per expert, 6-10% slower when one expert takes half of the
-   * rows. From 13 rows on, routed loads put a sixth to half of the experts
-   * above 16 rows, and the two-CTA kernels decode their weights twice (two
-   * 16-wide tiles): one CTA with 32-wide large tiles (Kern::kBig) ran M =
-   * 448-512 routed 16-22% faster and skewed 4-11% faster, even loads 2-4%
-   * slower (docs/PERF.md, version 18). The F16 modes keep 32-wide tiles up
-   * to 48 rows per expert: their 48-wide middle tiles (Kern::kMid) beat
-   * 64-wide tiles by 11-12% on even loads at 34-48 rows, 13-16% skewed,
-   * routed -12 to +2%. The 128-wide choice runs the launch
-   * pair (run_mode's BS2): each expert gets 128- or 160-wide tiles,
-   * whichever covers its rows with less waste (mm_sm90_wide_tiles). From 60
-   * to 64 rows per expert the 64-wide tiles run a pair too, 128-wide tiles
-   * for the experts above 64 rows: under random routing 6-11% faster at 60
-   * and 64, but 1-4% slower on even loads (the empty launch); at 57 0-4%
-   * faster, 2-3% slower (few experts pass 64 rows; docs/PERF.md, version 14). */
+   * than the tile get larger ones (mixed tiles, Kern::kBig, kMid). By
+   * average rows per expert (docs/PERF.md, versions 3, 10, 14 and 18):
+   * - FP8 modes, <= 12: 16-wide tiles at two CTAs per SM (twice the warps to
+   *   hide the decode's latency; 2-7% faster than one CTA on even and routed
+   *   loads, 6-10% slower when one expert takes half of the rows);
+   * - FP8 modes, 13-20: 16-wide tiles at one CTA, 32-wide ones for the
+   *   experts above 16 rows. Routed loads put a sixth to half of the experts
+   *   there, whose weights the two-CTA kernels decode twice: at 14-16 rows
+   *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
+   *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
+   * - FP8 modes 21-32, F16 modes 17-48: 32-wide tiles, 64-wide above (the F16
+   *   modes 48-wide middle tiles first: at 34-48 rows 11-12% faster than
+   *   64-wide tiles on even loads, 13-16% skewed); F16 modes <= 16: 16-wide;
+   * - up to 59: 64-wide tiles;
+   * - 60-104: the 64+128 launch pair, 128-wide tiles for the experts above
+   *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
+   *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
+   *   routed -9 to +3%, even loads -4 to +2%, skewed 17-26% faster: its
+   *   small experts take 64-wide tiles, not 128; at 116-128 routed 10-43%
+   *   slower, where experts above 128 rows take two 128-wide tiles);
+   * - above 104: the 128+160 pair (run_mode's BS2): each expert gets 128- or
+   *   160-wide tiles, whichever covers its rows with less waste
+   *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
+   *   against 64-wide ones, 17-24% faster from 96 rows per expert up. */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int bn = avg <= 16 ? 16 : avg <= (fp8 ? 32 : 48) ? 32 : avg <= 64 ? 64 : 128;
+  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 32 : 48) ? 32 : avg <= 104 ? 64 : 128;
   int cps = fp8 && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
