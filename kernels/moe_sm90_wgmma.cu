@@ -24,25 +24,25 @@
  * kernels of modes 1-3, Kern::kBig), so its weights are decoded once per 64
  * (32) of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
- * wide, first (Kern::kMid). With 60-64 rows per expert, a launch pair gives
+ * wide, first (Kern::kMid). With 60-104 rows per expert, a launch pair gives
  * the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
  * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
  * with less waste (129-160 rows: one tile instead of two), 128-wide ones for
  * the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In the decode
- * regime of the FP8 modes (up to 12 rows per expert) the grid runs two CTAs
- * per SM with 16-wide tiles only (more warps to hide the decode's latency;
- * larger tiles do not fit their registers). With 64-wide tiles (and 128- and 160-wide ones in
- * the F16 modes) the two consumer warpgroups take turns issuing their MMAs
- * (Kern::kPingPong). 128- and 160-wide tiles decode one K block ahead
- * (Kern::k_loop_ahead): block kb + 1's decode runs beside block kb's
- * promotion; in the FP8 modes' one-CTA kernels the 16- and 32-wide tiles
- * decode block kb + 1 beside block kb's MMAs (Kern::k_loop_db). In modes 1 and 4 (mode 1's
- * records), matrices whose references are all 0 (the packer's row anchor)
- * run kernels that promote without the reference multiply and its loads
- * and copy the records without the references (Kern's ONE, kRecCopy), at
- * every tile width.
+ * regime of the FP8 modes and mode 2 (up to 12 rows per expert) the grid
+ * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
+ * decode's latency; larger tiles do not fit their registers). With 64-wide
+ * tiles (and 128- and 160-wide ones in the F16 modes) the two consumer
+ * warpgroups take turns issuing their MMAs (Kern::kPingPong). 128- and
+ * 160-wide tiles decode one K block ahead (Kern::k_loop_ahead): the decode
+ * of block kb + 1 runs beside block kb's promotion; in the FP8 modes' one-CTA
+ * kernels the 16- and 32-wide tiles decode block kb + 1 beside block kb's
+ * MMAs (Kern::k_loop_db). In modes 1 and 4 (mode 1's records), matrices
+ * whose references are all 0 (the packer's row anchor) run kernels that
+ * promote without the reference multiply and its loads and copy the records
+ * without the references (Kern's ONE, kRecCopy), at every tile width.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -63,7 +63,8 @@
  * (mixed), four column quarters instead of halves in the 128-wide loop
  * (4-7% slower), a second A buffer set there (no faster), 32-wide tiles
  * split like the 64-wide ones (3-7% slower), two CTAs per SM in the F16
- * modes (3-6% faster even, 12-17% slower skewed; version 8); in the
+ * modes (3-6% faster even, 12-17% slower skewed; version 8; mode 2 takes
+ * them at <= 12 rows per expert since version 18, for routed loads); in the
  * decode-ahead loop (version 9): turns in the FP8 modes (10-14% slower
  * skewed), one group of m64n128 MMAs in the F16 ones (4-7% slower), their
  * turn granted after the first half's MMAs (3-7% slower), token-scale pairs
@@ -623,7 +624,7 @@ struct Kern {
    * modes 1-3 (mode 2, version 13: with random routing at 8-16 rows per
    * expert 9-21% faster, even loads equal; with a 64-wide one beside it,
    * version 14, 6-10% slower at M = 384-512 skewed; the FP8 modes' one-CTA
-   * 16-wide kernels run 14-16 rows per expert, version 18). Mode 4 keeps 64
+   * 16-wide kernels run 13-20 rows per expert, version 18). Mode 4 keeps 64
    * with a 32-wide middle tile (version 13: 32 alone 2-4% slower on even
    * loads). */
   static constexpr int kBig = BS == 16 && MODE != 4 ? 32 : 64;
@@ -1916,17 +1917,21 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * decode regime waste no MMA and promotion work; experts with more rows
    * than the tile get larger ones (mixed tiles, Kern::kBig, kMid). By
    * average rows per expert (docs/PERF.md, versions 3, 10, 14 and 18):
-   * - FP8 modes, <= 12: 16-wide tiles at two CTAs per SM (twice the warps to
-   *   hide the decode's latency; 2-7% faster than one CTA on even and routed
-   *   loads, 6-10% slower when one expert takes half of the rows);
+   * - FP8 modes and mode 2, <= 12: 16-wide tiles at two CTAs per SM (twice
+   *   the warps to hide the decode's latency; FP8 modes 2-7% faster than one
+   *   CTA on even and routed loads, 6-10% slower when one expert takes half
+   *   of the rows; mode 2 7-9% faster even and routed, 4-11% slower skewed
+   *   at 4-12 rows; mode 4 keeps one CTA: 2-5% faster, skewed up to 18%
+   *   slower);
    * - FP8 modes, 13-20: 16-wide tiles at one CTA, 32-wide ones for the
    *   experts above 16 rows. Routed loads put a sixth to half of the experts
    *   there, whose weights the two-CTA kernels decode twice: at 14-16 rows
    *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
    *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
-   * - FP8 modes 21-32, F16 modes 17-48: 32-wide tiles, 64-wide above (the F16
-   *   modes 48-wide middle tiles first: at 34-48 rows 11-12% faster than
-   *   64-wide tiles on even loads, 13-16% skewed); F16 modes <= 16: 16-wide;
+   * - mode 2 at 13-16 and mode 4 at <= 16: 16-wide tiles at one CTA;
+   * - FP8 modes 21-32, F16 modes 17-48: 32-wide tiles, 64-wide ones for the
+   *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
+   *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed);
    * - up to 59: 64-wide tiles;
    * - 60-104: the 64+128 launch pair, 128-wide tiles for the experts above
    *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
@@ -1942,7 +1947,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
   int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 32 : 48) ? 32 : avg <= 104 ? 64 : 128;
-  int cps = fp8 && avg <= 12 ? 2 : 1;
+  int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
