@@ -12,7 +12,7 @@
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
- *     [--profile-only] [--block-refs] [--loads uniform,skewed,random]
+ *     [--profile-only] [--block-refs] [--loads uniform,skewed,random] [--out-rows]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
  * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
@@ -24,6 +24,9 @@
  * rows each), skewed (expert 0 takes half) and random (each row routed to an
  * expert drawn uniformly, fixed seed: the spread of real routing, where about
  * half the experts hold more than the average);
+ * --out-rows: the pool's rows go to out rows through a map (a fixed random
+ * permutation), as the expert-parallel path has them write straight into the
+ * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
  * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
  * operation for t ms, then times its iterations: the H200 reaches its 700 W
  * power cap within about a second of prefill-sized work and lowers its clocks
@@ -158,19 +161,19 @@ static void baseline_cells(double base_ms, double ms, char time[32], char ratio[
 /* ---------------------------------------------------------------- main ---- */
 
 typedef struct {
-  void *x, *xs, *rw, *out, *off;
+  void *x, *xs, *rw, *out, *off, *map; /* map: out rows (--out-rows) or NULL */
 } input_set;
 
 /* One expert-compute call on input set s (pool of M rows, no rows hint). */
 static void compute_set(const mm_sm90_layer *L, const input_set *s, int M, void *ws, size_t wsb,
                         cudaStream_t st, mm_sm90_path path) {
-  mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0};
+  mm_expert_pool pool = {M, s->off, s->x, s->xs, s->rw, s->out, 0, s->map};
   OK(mm_sm90_expert_compute_path(L, &pool, 0.0f, ws, wsb, st, path));
 }
 
 int main(int argc, char **argv) {
   int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
-  int profile_only = 0, block_refs = 0;
+  int profile_only = 0, block_refs = 0, out_rows = 0;
   int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
   static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
   mm_sm90_path path = MM_SM90_PATH_WGMMA;
@@ -187,6 +190,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--warmup-ms")) g_warmup_ms = atof(v), i++;
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
+    else if (!strcmp(a, "--out-rows")) out_rows = 1;
     else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
     else if (!strcmp(a, "--loads")) {
       loads[0] = loads[1] = loads[2] = 0;
@@ -226,9 +230,10 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s; warm-up %.0f ms\n",
+  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s%s; warm-up %.0f ms\n",
          prop.name, prop.multiProcessorCount, mode_name, E, H, I, iters,
-         block_refs ? "; per-block references" : "", g_warmup_ms);
+         block_refs ? "; per-block references" : "", out_rows ? "; out rows mapped" : "",
+         g_warmup_ms);
 
   mm_sm90_layer *L = NULL;
   OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));
@@ -336,6 +341,24 @@ int main(int argc, char **argv) {
         OK(mm_sm90_bench_fill_uniform(sets[s].xs, (size_t)M * (H / 128), 0.01f, 0.02f, 200 + s, st));
         OK(mm_sm90_bench_fill_uniform(sets[s].rw, (size_t)M, 0.1f, 1.0f, 300 + s, st));
         CK(cudaMemcpyAsync(sets[s].off, offs, sizeof(int) * (E + 1), cudaMemcpyHostToDevice, st));
+        sets[s].map = NULL;
+        if (out_rows) {
+          int *map = malloc(sizeof(int) * (size_t)M);
+          if (!map) {
+            fprintf(stderr, "out of host memory\n");
+            exit(1);
+          }
+          for (int r = 0; r < M; r++) map[r] = r;
+          srand(400 + s);
+          for (int r = M - 1; r > 0; r--) {
+            const int j = rand() % (r + 1), v = map[r];
+            map[r] = map[j];
+            map[j] = v;
+          }
+          CK(cudaMalloc(&sets[s].map, sizeof(int) * (size_t)M));
+          CK(cudaMemcpy(sets[s].map, map, sizeof(int) * (size_t)M, cudaMemcpyHostToDevice));
+          free(map);
+        }
       }
       const size_t wsb = mm_sm90_workspace_bytes(L, M);
       void *ws;
@@ -409,6 +432,7 @@ int main(int argc, char **argv) {
         cudaFree(sets[s].rw);
         cudaFree(sets[s].out);
         cudaFree(sets[s].off);
+        cudaFree(sets[s].map);
       }
       free(offs);
     }

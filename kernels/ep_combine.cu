@@ -1,7 +1,9 @@
-// ep_combine.cu -- expert-parallel combine side: pool output rows into the
-// per-source combine segments, and the final weighted sum at the source
-// (FP32, ascending k, then BF16: the same order as plugin/ref_moe.c, so the
-// result does not depend on the rank count).
+// ep_combine.cu -- expert-parallel combine side: the final weighted sum at
+// the source (FP32, ascending k, then BF16: the same order as
+// plugin/ref_moe.c, so the result does not depend on the rank count). The
+// expert compute writes its rows straight into the per-source combine
+// segments (mm_expert_pool.out_rows), so no gather pass runs before the
+// exchange.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -13,18 +15,6 @@
 namespace {
 
 constexpr int kThreads = 256;
-
-__global__ void __launch_bounds__(kThreads) gather_kernel(mm_ep_dev d, int64_t rows) {
-  const int H = d.hidden;
-  int64_t n = d.expert_off[d.experts_per_rank];
-  if (n > d.pool_cap) n = d.pool_cap;
-  if (n > rows) n = rows;
-  for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
-    const uint4 *src = reinterpret_cast<const uint4 *>(d.pool_out + p * H);
-    uint4 *dst = reinterpret_cast<uint4 *>(d.csend + (int64_t)d.pool_to_cs[p] * H);
-    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
-  }
-}
 
 __device__ __forceinline__ void add_bf16x8(float *acc, uint4 v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -66,8 +56,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(mm_ep_dev d, int T, c
   }
 }
 
-// Stand-in expert (tests, bench): out[p] = BF16(dequant(x[p]) * w[p] * m(e)),
-// m(e) = 1 + (global expert id mod 16), all FP32 in that order.
+// Stand-in expert (tests, bench): out[out_rows[p]] = BF16(dequant(x[p]) *
+// w[p] * m(e)), m(e) = 1 + (global expert id mod 16), all FP32 in that order.
 __global__ void __launch_bounds__(kThreads) identity_kernel(mm_expert_pool P, int E_loc, int first,
                                                             int H, int64_t rows) {
   __shared__ int off[MM_EP_MAX_EXPERTS_IDENTITY + 1];
@@ -79,11 +69,13 @@ __global__ void __launch_bounds__(kThreads) identity_kernel(mm_expert_pool P, in
     while (e + 1 < E_loc && off[e + 1] <= p) e++;
     const float m = (float)(1 + ((first + e) & 15));
     const float w = P.row_weight[p];
+    const int64_t o = P.out_rows ? P.out_rows[p] : p; /* moe_compute.h */
+    if (o < 0 || o >= P.num_rows_max) continue;
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
       __nv_fp8_e4m3 q;
       q.__x = P.x[p * H + c];
       const float v = __fmul_rn(__fmul_rn(__fmul_rn((float)q, P.x_scale[p * (H / 128) + c / 128]), w), m);
-      P.out[p * H + c] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+      P.out[o * H + c] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
     }
   }
 }
@@ -98,12 +90,6 @@ extern "C" int mm_ep_launch_identity_compute(const mm_expert_pool *pool, int num
   if (num_local > MM_EP_MAX_EXPERTS_IDENTITY) return (int)cudaErrorInvalidValue;
   identity_kernel<<<grid_for(pool->num_rows_max, 4096), kThreads, 0, (cudaStream_t)stream>>>(
       *pool, num_local, first_expert, hidden, pool->num_rows_max);
-  return (int)cudaGetLastError();
-}
-
-extern "C" int mm_ep_launch_gather(const mm_ep_dev *d, int64_t grid_rows, void *stream) {
-  if (grid_rows <= 0) return 0;
-  gather_kernel<<<grid_for(grid_rows, 4096), kThreads, 0, (cudaStream_t)stream>>>(*d, grid_rows);
   return (int)cudaGetLastError();
 }
 

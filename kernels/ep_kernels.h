@@ -14,9 +14,11 @@
  *   recv_plan     pool rank of every received pair (per expert), combine rank (per source)
  *   expert_offsets the pool's expert offsets (clamped to the pool capacity)
  *   arrange       received rows -> per-expert pool (x, scales, weight, back-map)
- *   [expert compute: kernels/moe_compute.h]
- *   gather        pool output rows -> combine send buffer, grouped by source
- *   [combine: grouped ncclSend / ncclRecv]
+ *   [expert compute: kernels/moe_compute.h; its output rows go straight to
+ *                 the combine send buffer, grouped by source (pool_to_cs as
+ *                 the pool's out_rows)]
+ *   [combine: grouped ncclSend / ncclRecv; none at one rank, where the
+ *                 receive buffer is the send buffer]
  *   combine       out[t] = BF16(sum over k ascending of the FP32 expert rows)
  */
 #ifndef MM_EP_KERNELS_H
@@ -75,12 +77,12 @@ typedef struct mm_ep_dev {
   int64_t *expert_off;             /* [E_loc + 1] unclamped */
   int32_t *expert_off_pool;        /* [E_loc + 1] clamped to pool_cap (the compute's view) */
   float *row_weight;               /* [pool_cap] */
-  int32_t *pool_to_cs;             /* [pool_cap] */
+  int32_t *pool_to_cs;             /* [pool_cap]: pool row -> combine send row */
   uint8_t *pool_x;                 /* [pool_cap, H] */
   float *pool_xs;                  /* [pool_cap, H/128] */
-  uint16_t *pool_out;              /* [pool_cap, H] */
   uint8_t *send, *recv;            /* dispatch rows */
-  uint16_t *csend, *crecv;         /* combine rows [*, H] */
+  uint16_t *csend, *crecv;         /* combine rows [*, H]; csend is the expert
+                                      compute's output (mm_expert_pool.out) */
   int32_t *err;                    /* [MM_EP_ERR_WORDS], 8-byte aligned */
 } mm_ep_dev;
 
@@ -94,7 +96,6 @@ int mm_ep_launch_pack(const mm_ep_dev *d, int T, const uint16_t *hidden, const i
 int mm_ep_launch_recv_plan(const mm_ep_dev *d, void *stream);
 int mm_ep_launch_expert_offsets(const mm_ep_dev *d, void *stream);
 int mm_ep_launch_arrange(const mm_ep_dev *d, int64_t grid_rows, void *stream);
-int mm_ep_launch_gather(const mm_ep_dev *d, int64_t grid_rows, void *stream);
 int mm_ep_launch_combine(const mm_ep_dev *d, int T, const int32_t *ids, uint16_t *out,
                          void *stream);
 
@@ -130,9 +131,10 @@ typedef struct mm_ep_ipc_dev {
 int mm_ep_launch_ipc_exchange(const mm_ep_dev *d, const mm_ep_ipc_dev *x, int kind, void *stream);
 
 /* Stand-in expert compute for tests and the bench (no weights):
- * out[p] = BF16(e4m3(x[p]) * x_scale * row_weight[p] * (1 + (first_expert + e) % 16)),
+ * out[out_rows[p]] = BF16(e4m3(x[p]) * x_scale * row_weight[p] * (1 + (first_expert + e) % 16)),
  * FP32 products in that order, for the rows of the pool (struct
- * mm_expert_pool of moe_compute.h); num_local <= MM_EP_MAX_EXPERTS_IDENTITY. */
+ * mm_expert_pool of moe_compute.h, out_rows as there: NULL = row p);
+ * num_local <= MM_EP_MAX_EXPERTS_IDENTITY. */
 #define MM_EP_MAX_EXPERTS_IDENTITY 4096
 struct mm_expert_pool;
 int mm_ep_launch_identity_compute(const struct mm_expert_pool *pool, int num_local,

@@ -53,14 +53,21 @@ typedef struct mm_expert_pool {
   int rows_hint;                 /* rows expected in the pool (<= M), when the
                                     caller knows more than the capacity: picks
                                     launch shapes only; 0 = use M */
+  const int32_t *out_rows;       /* [M] or NULL: pool row p's result goes to
+                                    out row out_rows[p] (in [0, M), distinct
+                                    for distinct p) instead of row p, so that
+                                    the caller's next step (the combine's
+                                    per-source segments) reads it in place */
 } mm_expert_pool;
 /* Aliasing: `out` is scratch during a compute call. The F16-MMA modes (2, 4)
  * stage their F16 copy of the pool rows [offsets[0], offsets[E_loc]) there
- * before L2 overwrites the same rows with the result, so `out` must not
- * alias x, x_scale, row_weight, the offsets or the workspace, and nothing
+ * (in pool order) before L2 writes the results, so `out` must not alias x,
+ * x_scale, row_weight, out_rows, the offsets or the workspace, and nothing
  * else may read or write it until the call's work on the stream is done.
- * Rows outside [offsets[0], offsets[E_loc]) are never written. The WGMMA path
- * needs x and out 16-byte aligned. */
+ * Written rows: out_rows[p] (row p without a map) for every pool row p in
+ * [offsets[0], offsets[E_loc]), and, in modes 2 and 4, the staging rows
+ * [offsets[0], offsets[E_loc]) themselves; no others. The WGMMA path needs x
+ * and out 16-byte aligned. */
 
 /* Workspace bytes needed for a pool of num_rows_max rows (token scales,
  * the intermediate activations and their scales; mm_sm90_workspace_plan).

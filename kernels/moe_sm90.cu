@@ -418,7 +418,9 @@ __global__ void __launch_bounds__(128) simt_l2(mm_sm90_layer L, mm_expert_pool P
     f = fmaf(acc, W.as_t[(size_t)kb * W.Mp + row] * ref, f);
   }
   const float *rs = L.d_rs2 + (size_t)e * (size_t)H;
-  P.out[(size_t)row * H + n] = __bfloat16_as_ushort(__float2bfloat16_rn(f * rs[n]));
+  const int orow = P.out_rows ? P.out_rows[row] : row; /* moe_compute.h */
+  if ((unsigned)orow < (unsigned)P.num_rows_max)
+    P.out[(size_t)orow * H + n] = __bfloat16_as_ushort(__float2bfloat16_rn(f * rs[n]));
 }
 
 mm_err *mm_sm90_run_simt(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,

@@ -253,6 +253,7 @@ struct Params {
   uint8_t *act;          /* L1 out: [Mp][I] FP8 or F16 */
   float *as_t;           /* L1 out: [I/128][Mp] */
   uint16_t *out;         /* L2 out: [M][H] BF16 */
+  const int32_t *out_rows; /* L2: pool row p to out row out_rows[p]; NULL: p */
 };
 
 /* ------------------------------------------------------------ PTX bits ---- */
@@ -1418,6 +1419,23 @@ struct Kern {
          * bytes apart, fall in different banks. Lane l addresses row l % 8 of
          * the instruction's block l / 8. */
         const int mb = lane >> 3, mr = lane & 7;
+        /* Each warpgroup copies out its own tiles' chunks of the token rows
+         * (below); the out rows of the thread's copies, looked up now, so
+         * that the loads run beside the transposition: the caller's row
+         * order (the combine's segments: mm_expert_pool.out_rows), else the
+         * pool's. -1: a row past the tile's valid ones. (Looked up in the
+         * copy loop, the map cost 3-4% at M = 1024-4096 in modes 1 and 2.) */
+        constexpr int kWgChunks = kRowChunks / kConsumers;
+        constexpr int kCopies = BN * kWgChunks / 128;
+        static_assert(BN * kWgChunks % 128 == 0, "whole copy rounds");
+        int orow[kCopies];
+#pragma unroll
+        for (int i = 0; i < kCopies; i++) {
+          const int row = (unsigned)(tid + 128 * i) / kWgChunks;
+          orow[i] = row >= un.valid ? -1
+                    : p.out_rows   ? __ldg(p.out_rows + un.tok0 + row)
+                                   : un.tok0 + row;
+        }
 #pragma unroll
         for (int j = 0; j < TPW; j++) {
           const int ck0 = 8 * (TPW * c + j) + 2 * w; /* the chunk of weight rows 16 w .. */
@@ -1440,17 +1458,19 @@ struct Kern {
                 : "memory");
           }
         }
-        /* Each warpgroup copies out its own tiles' chunks of the token rows
-         * (the swizzle keeps a chunk within its aligned 8), so the barriers
-         * are the warpgroup's own (kEpilogueWg + c): neither waits for the
-         * other's epilogue, which may then run beside the other's MMAs. */
-        constexpr int kWgChunks = kRowChunks / kConsumers;
+        /* The copy-out (the swizzle keeps a chunk within its aligned 8): the
+         * barriers are the warpgroup's own (kEpilogueWg + c), so neither
+         * waits for the other's epilogue, which may then run beside the
+         * other's MMAs. A map entry outside [0, M) is a caller's bug, and is
+         * not followed into foreign memory. */
         named_sync(kEpilogueWg + c, 128);
-        for (int idx = tid; idx < BN * kWgChunks; idx += 128) {
+#pragma unroll
+        for (int i = 0; i < kCopies; i++) {
+          const int idx = tid + 128 * i;
           const int row = (unsigned)idx / kWgChunks, ck = c * kWgChunks + (unsigned)idx % kWgChunks;
-          if (row < un.valid)
-            *(uint4 *)(p.out + (size_t)(un.tok0 + row) * H + (size_t)un.rb * 256 + h * kCols +
-                       ck * 8) = *(const uint4 *)(stg16 + row * kCols + (ck ^ (row & 7)) * 8);
+          if ((unsigned)orow[i] < (unsigned)p.M)
+            *(uint4 *)(p.out + (size_t)orow[i] * H + (size_t)un.rb * 256 + h * kCols + ck * 8) =
+                *(const uint4 *)(stg16 + row * kCols + (ck ^ (row & 7)) * 8);
         }
         named_sync(kEpilogueWg + c, 128);
       }
@@ -1820,6 +1840,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.act = ws->act;
   p.as_t = ws->as_t;
   p.out = pool->out;
+  p.out_rows = pool->out_rows;
   p.mixed = mixed && o.allow_mixed;
   /* L1 */
   p.mat_off = 0;

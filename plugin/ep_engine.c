@@ -165,11 +165,15 @@ mm_err *mm_ep_engine_create(const mm_ep_engine_args *a, mm_ep_engine **out) {
   d->pool_xs = (float *)((char *)e->region_x + align_up(P * (size_t)H));
   e->ws_offset = align_up(P * (size_t)H) + align_up(P * (size_t)(H / 32));
   e->ws_bytes = sz.region_x - e->ws_offset;
-  d->csend = e->region_x;
-  /* region y */
+  /* the combine receive (NCCL), once the pool and the workspace are dead;
+   * at one rank the send buffer itself (mm_ep_dispatch) */
+  d->crecv = e->region_x;
+  /* region y: the dispatch receive, then the expert compute's output, which
+   * is the combine send buffer (the compute writes each pool row at its
+   * combine row, pool_to_cs); mm_ep_size sizes y for both the pool output
+   * and the combine rows, and x for the combine receive */
   d->recv = e->region_y;
-  d->pool_out = e->region_y;
-  d->crecv = e->region_y;
+  d->csend = e->region_y;
   /* small buffers, in the order of mm_ep_size's list */
   const int64_t recv_rows_any = sz.recv_rows > sz.ll_tok_rows ? sz.recv_rows : sz.ll_tok_rows;
   char *cur = e->meta;
@@ -339,7 +343,9 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   const mm_ep_ipc_dev *x = ll && e->ipc ? mm_ep_ipc_device(e->ipc) : NULL;
   d->counts = x ? mm_ep_ipc_counts(e->ipc) : e->counts_meta;
   d->recv = x ? mm_ep_ipc_payload(e->ipc) : e->region_y;
-  d->crecv = x ? mm_ep_ipc_payload(e->ipc) : e->region_y;
+  /* one rank over NCCL: the combine's send segment is its receive segment
+   * (same offsets), so the combine reads it in place and skips the copy */
+  d->crecv = x ? mm_ep_ipc_payload(e->ipc) : R == 1 ? e->region_y : e->region_x;
 
   MM_TRY(mark(s->events[0], st));
   LAUNCH_TRY(mm_ep_launch_route(d, s->T, s->ids, st), "ep route");
@@ -385,7 +391,8 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   pool->x = d->pool_x;
   pool->x_scale = d->pool_xs;
   pool->row_weight = d->row_weight;
-  pool->out = d->pool_out;
+  pool->out = d->csend;
+  pool->out_rows = d->pool_to_cs;
   *ws = (char *)e->region_x + e->ws_offset;
   *ws_bytes = e->ws_bytes;
   e->dispatched = 1;
@@ -444,11 +451,11 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
   cudaStream_t st = (cudaStream_t)e->stream;
   const int ll = e->mode == MM_EP_MODE_LOW_LATENCY;
   MM_TRY(mark(e->events[2], st));
-  LAUNCH_TRY(mm_ep_launch_gather(d, e->recv_pairs, st), "ep gather");
+  /* the expert compute wrote its rows into d->csend's per-source segments */
   if (ll && e->ipc)
     LAUNCH_TRY(mm_ep_launch_ipc_exchange(d, mm_ep_ipc_device(e->ipc), MM_EP_IPC_COMBINE, st),
                "ep ipc combine");
-  else
+  else if (d->crecv != d->csend) /* one rank: in place (mm_ep_dispatch) */
     MM_TRY(mm_ep_comm_alltoallv(e->a.comm, d->csend, e->cs_off, e->cs_bytes, d->crecv, e->cr_off,
                                 e->cr_bytes, st));
   LAUNCH_TRY(mm_ep_launch_combine(d, e->T, e->ids, out, st), "ep combine");

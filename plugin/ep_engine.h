@@ -1,7 +1,10 @@
 /* ep_engine.h -- the expert-parallel data path of one rank: plan-time
  * buffers, dispatch (route + FP8 pack + NCCL + arrangement into the
- * per-expert pool) and combine (gather + NCCL + FP32 sum over k). The expert
- * compute between them is the caller's (backend_cuda.c: moe_compute.h).
+ * per-expert pool) and combine (NCCL + FP32 sum over k). The expert compute
+ * between them is the caller's (backend_cuda.c: moe_compute.h); the pool the
+ * dispatch returns maps its rows into the combine's per-source segments
+ * (mm_expert_pool.out_rows), so the compute's output is the combine's send
+ * buffer and, at one rank, also its receive buffer (no copy at all).
  *
  * Modes:
  *   normal       exact counts are all-gathered and read on the host (one

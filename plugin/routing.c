@@ -152,9 +152,11 @@ mm_err *mm_ep_size(const mm_ep_size_args *a, mm_ep_sizes *o) {
   uint64_t x = align_up((uint64_t)(o->send_rows * rb));
   x = max_u64(x, align_up((uint64_t)(o->ll_tok_rows * rb)));
   x = max_u64(x, pool_x + o->workspace);
+  /* the combine receive (normal: T * k rows <= P; low-latency: ll_pair_rows) */
   x = max_u64(x, align_up(P * out_row));
   x = max_u64(x, align_up((uint64_t)o->ll_pair_rows * out_row));
-  /* Region y: the pool output and the combine receive set its size; the
+  /* Region y: the pool output, which is the combine send (and, at one rank,
+   * the combine receive read in place), sets its size; the
    * dispatch receive takes whatever that leaves, at least what is needed for
    * 2 x the average fan-in, capped at the worst case R * T. */
   uint64_t y = align_up(P * out_row);

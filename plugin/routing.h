@@ -100,8 +100,10 @@ typedef struct mm_ep_sizes {
   int64_t ll_tok_rows;  /* low-latency dispatch send/recv rows: R * ll_tokens */
   int64_t ll_pair_rows; /* low-latency combine send/recv rows: R * ll_tokens * k */
   /* the two aliased regions (see ep_engine.c) and the small buffers */
-  uint64_t region_x;    /* dispatch send | pool x + scales + workspace | combine send */
-  uint64_t region_y;    /* dispatch receive | pool out | combine receive */
+  uint64_t region_x;    /* dispatch send | pool x + scales + workspace | combine receive */
+  uint64_t region_y;    /* dispatch receive | pool out = combine send (the compute
+                           writes its rows in combine order); at one rank also
+                           the combine receive, in place */
   uint64_t workspace;   /* compute workspace inside region x */
   uint64_t meta;        /* slots, counts, offsets, flags */
   uint64_t device_total;

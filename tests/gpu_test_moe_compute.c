@@ -274,6 +274,52 @@ static void ref_l2(const mm_expert_q *e, int m, const uint8_t *aq, const float *
 
 static int g_have_wgmma_fail = 0;
 
+/* The pool with an out_rows map (a random permutation of [0, M), so rows
+ * also land outside the pool's own range): each pool row's result must be
+ * the unmapped run's row (`got`) bit for bit, at its mapped row; rows that
+ * are neither mapped to nor (F16 modes) staging rows keep the poison. */
+static void check_out_rows(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                           void *d_ws, size_t wsb, mm_sm90_path path, const uint16_t *got,
+                           int lead, int Mused, int H, int stages) {
+  const int M = pool->num_rows_max;
+  int32_t *map = malloc(sizeof(int32_t) * M);
+  unsigned char *hit = calloc((size_t)M, 1);
+  uint16_t *got2 = malloc(2 * (size_t)M * H);
+  for (int i = 0; i < M; i++) map[i] = i;
+  for (int i = M - 1; i > 0; i--) {
+    const int j = (int)(mm_test_rand_u64() % (uint64_t)(i + 1)), t = map[i];
+    map[i] = map[j];
+    map[j] = t;
+  }
+  void *d_map;
+  CUDA_OK(cudaMalloc(&d_map, sizeof(int32_t) * M));
+  CUDA_OK(cudaMemcpy(d_map, map, sizeof(int32_t) * M, cudaMemcpyHostToDevice));
+  mm_expert_pool p2 = *pool;
+  p2.out_rows = d_map;
+  CUDA_OK(cudaMemset(p2.out, 0xFF, 2 * (size_t)M * H));
+  CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
+  CHECK_OK(mm_sm90_expert_compute_path(L, &p2, clamp, d_ws, wsb, NULL, path));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(got2, p2.out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+  size_t moved = 0, stray = 0;
+  for (int p = lead; p < Mused; p++) {
+    hit[map[p]] = 1;
+    moved += memcmp(got2 + (size_t)map[p] * H, got + (size_t)p * H, 2 * (size_t)H) != 0;
+  }
+  for (int r = 0; r < M; r++) {
+    if (hit[r] || (stages && r >= lead && r < Mused)) continue;
+    for (int c = 0; c < H; c++) stray += got2[(size_t)r * H + c] != 0xFFFF;
+  }
+  printf("#   %s out_rows (permutation of %d rows): %zu rows differ, %zu stray values\n",
+         path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", M, moved, stray);
+  CHECK_EQ_INT(moved, 0);
+  CHECK_EQ_INT(stray, 0);
+  cudaFree(d_map);
+  free(map);
+  free(hit);
+  free(got2);
+}
+
 static void run_case(mm_weight_mode mode, const shape *s) {
   const int H = s->H, I = s->I, E = s->E;
   int counts[64], offs[65];
@@ -437,6 +483,8 @@ static void run_case(mm_weight_mode mode, const shape *s) {
                path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", rel2, l2_tol);
         CHECK(rel2 <= l2_tol);
       }
+      check_out_rows(L, &pool, s->clamp, d_ws, wsb, (mm_sm90_path)path, got, lead, Mused, H,
+                     mode == MM_WMODE_G16_BF16_EXACT || mode == MM_WMODE_G32_F16_EXACT);
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
     cudaFree(d_off);
