@@ -45,6 +45,11 @@ layers=${E2E_LAYERS:-2}
 gpus=0
 if [ "${E2E_FORCE_CPU:-0}" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  # the host sees only CUDA_VISIBLE_DEVICES where it is set: so does the label
+  if [ "$gpus" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+    vis=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+    [ "$vis" -lt "$gpus" ] && gpus=$vis
+  fi
 fi
 
 if [ "$gpus" -gt 0 ]; then
