@@ -299,9 +299,21 @@ static void test_sizing(void) {
       CHECK(s.recv_rows <= (int64_t)R * T);
       CHECK(s.pool_rows >= (int64_t)T * 8 || s.pool_rows == (int64_t)R * T * s.pair_rows_per_tok);
       if (R == 1) CHECK_EQ_INT(s.pool_rows, (int64_t)T * 8); /* exact: capacity by construction */
-      CHECK(s.region_x >= (uint64_t)s.pool_rows * 12288);
-      CHECK(s.region_y >= (uint64_t)s.combine_rows * 12288);
+      /* what ep_engine.c puts where: y holds the pool output, which is the
+       * combine send (normal: received pairs <= pool rows; low-latency: the
+       * fixed segments); x the combine receive, once the pool is dead */
+      CHECK(s.region_y >= (uint64_t)s.pool_rows * 12288);
+      CHECK(s.region_y >= (uint64_t)s.ll_pair_rows * 12288);
+      CHECK(s.region_x >= (uint64_t)s.combine_rows * 12288);
+      CHECK(s.region_x >= (uint64_t)s.ll_pair_rows * 12288);
       CHECK(s.region_y >= (uint64_t)s.recv_rows * (uint64_t)s.row_bytes);
+      /* one rank works in place in y: the dispatch send is its receive, the
+       * combine receive its send */
+      if (R == 1) {
+        CHECK(s.region_y >= (uint64_t)s.send_rows * (uint64_t)s.row_bytes);
+        CHECK(s.region_y >= (uint64_t)s.ll_tok_rows * (uint64_t)s.row_bytes);
+        CHECK(s.region_y >= (uint64_t)s.combine_rows * 12288);
+      }
       CHECK(s.device_total == s.region_x + s.region_y + s.meta);
     }
   /* The goal: <= 1.5 GiB per rank at 4096 tokens per rank (GLM-5, EP8). */
