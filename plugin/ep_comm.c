@@ -17,13 +17,17 @@ static double now_ms(void) {
   return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-/* Short sleeps after a brief spin: waits are usually GPU work of ~ms. */
-static void backoff(int iter) {
-  if (iter < 64) {
+/* A wait of waited_ms so far: yield for the first 2 ms, which covers the
+ * GPU work a step waits for (the normal dispatch's count read, the combine's
+ * end), then sleep 10 us, and 200 us from 50 ms on. A sleep wakes late by
+ * the timer slack (~50 us on Linux), which those waits paid after only 64
+ * yields before. */
+static void backoff(double waited_ms) {
+  if (waited_ms < 2.0) {
     sched_yield();
     return;
   }
-  struct timespec ts = {0, iter < 1024 ? 10000 : 200000};
+  struct timespec ts = {0, waited_ms < 50.0 ? 10000 : 200000};
   nanosleep(&ts, NULL);
 }
 
@@ -77,7 +81,7 @@ static mm_err *complete(mm_ep_comm *c, ncclResult_t res, const char *what) {
                 nccl_detail(c));
   if (res == ncclSuccess) return NULL;
   double t0 = now_ms();
-  for (int iter = 0;; iter++) {
+  for (;;) {
     ncclResult_t st = ncclSuccess;
     ncclResult_t q = ncclCommGetAsyncError(c->comm, &st);
     if (q != ncclSuccess)
@@ -90,7 +94,7 @@ static mm_err *complete(mm_ep_comm *c, ncclResult_t res, const char *what) {
     if (now_ms() - t0 > c->timeout_ms)
       return fail(c, MEGAMOE_CODE_DEADLINE_EXCEEDED, "%s did not complete within comm.timeout-ms = %d",
                   what, c->timeout_ms);
-    backoff(iter);
+    backoff(now_ms() - t0);
   }
 }
 
@@ -230,7 +234,7 @@ mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
 mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
   if (c->failed) return failed_error(c);
   double t0 = now_ms();
-  for (int iter = 0;; iter++) {
+  for (;;) {
     cudaError_t ce = cudaStreamQuery((cudaStream_t)stream);
     if (ce == cudaSuccess) return mm_ep_comm_check(c);
     if (ce != cudaErrorNotReady)
@@ -241,7 +245,7 @@ mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
       return fail(c, MEGAMOE_CODE_DEADLINE_EXCEEDED,
                   "the stream did not finish within %d ms (comm.timeout-ms = %d; a peer is "
                   "missing or hung)", timeout_ms, c->timeout_ms);
-    backoff(iter);
+    backoff(now_ms() - t0);
   }
 }
 
@@ -335,7 +339,7 @@ mm_err *mm_ep_comm_sync(mm_ep_comm *c, void *stream) {
 mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
   MM_TRY(mm_ep_comm_check(c));
   double t0 = now_ms();
-  for (int iter = 0;; iter++) {
+  for (;;) {
     cudaError_t ce = cudaStreamQuery((cudaStream_t)stream);
     if (ce == cudaSuccess) return NULL;
     if (ce != cudaErrorNotReady)
@@ -343,7 +347,7 @@ mm_err *mm_ep_comm_sync_for(mm_ep_comm *c, void *stream, int timeout_ms) {
     if (now_ms() - t0 > timeout_ms)
       return mm_ep_comm_abort(c, MEGAMOE_CODE_DEADLINE_EXCEEDED,
                               "the stream did not finish within comm.timeout-ms");
-    backoff(iter);
+    backoff(now_ms() - t0);
   }
 }
 
