@@ -29,7 +29,6 @@ struct mm_ep_engine {
   int64_t *cs_off, *cs_bytes, *cr_off, *cr_bytes;
   /* the step between dispatch and combine */
   int dispatched;
-  int ipc_step; /* this step's exchanges run over CUDA IPC (mm_ep_dispatch) */
   int T;
   const int32_t *ids;
   mm_ep_mode mode;
@@ -340,18 +339,17 @@ mm_err *mm_ep_dispatch(mm_ep_engine *e, const mm_ep_step *s, mm_expert_pool *poo
   d->pair_stride = ll ? e->a.ll_tokens * e->a.top_k : 0;
   d->mode_tag = ll ? 2 | (e->a.ll_tokens << 2) : 1;
   /* The IPC transport's peers write the count matrix and the receive rows
-   * straight into its buffer. One rank has nothing to exchange: its steps
-   * take the in-place path below with either transport (the IPC kernels
-   * would only copy the rank's rows into its own buffer). */
-  const mm_ep_ipc_dev *x = ll && e->ipc && R > 1 ? mm_ep_ipc_device(e->ipc) : NULL;
-  e->ipc_step = x != NULL;
+   * straight into its buffer. At one rank its kernels copy into the rank's
+   * own buffer: kept, so that one GPU runs and tests them (ep_ipc.c sets the
+   * transport up at one rank for that). */
+  const mm_ep_ipc_dev *x = ll && e->ipc ? mm_ep_ipc_device(e->ipc) : NULL;
   d->counts = x ? mm_ep_ipc_counts(e->ipc) : e->counts_meta;
   d->recv = x ? mm_ep_ipc_payload(e->ipc) : e->region_y;
-  /* One rank: the pack writes its rows where the arrangement reads
+  /* One rank over NCCL: the pack writes its rows where the arrangement reads
    * them (region y, dead since the last combine; mm_ep_size sizes y for the
    * send rows of one rank), and no copy runs. Else region x. */
   d->send = !x && R == 1 ? e->region_y : e->region_x;
-  /* one rank: the combine's send segment is its receive segment
+  /* one rank over NCCL: the combine's send segment is its receive segment
    * (same offsets), so the combine reads it in place and skips the copy */
   d->crecv = x ? mm_ep_ipc_payload(e->ipc) : R == 1 ? e->region_y : e->region_x;
 
@@ -460,7 +458,7 @@ mm_err *mm_ep_combine(mm_ep_engine *e, uint16_t *out) {
   const int ll = e->mode == MM_EP_MODE_LOW_LATENCY;
   MM_TRY(mark(e->events[2], st));
   /* the expert compute wrote its rows into d->csend's per-source segments */
-  if (e->ipc_step)
+  if (ll && e->ipc)
     LAUNCH_TRY(mm_ep_launch_ipc_exchange(d, mm_ep_ipc_device(e->ipc), MM_EP_IPC_COMBINE, st),
                "ep ipc combine");
   else if (d->crecv != d->csend) /* one rank: in place (mm_ep_dispatch) */
