@@ -17,8 +17,8 @@
  *   [expert compute: kernels/moe_compute.h; its output rows go straight to
  *                 the combine send buffer, grouped by source (pool_to_cs as
  *                 the pool's out_rows)]
- *   [combine: grouped ncclSend / ncclRecv; none at one rank, where the
- *                 receive buffer is the send buffer]
+ *   [combine: grouped ncclSend / ncclRecv; none at one rank over NCCL,
+ *                 where the receive buffer is the send buffer]
  *   combine       out[t] = BF16(sum over k ascending of the FP32 expert rows)
  */
 #ifndef MM_EP_KERNELS_H

@@ -4,7 +4,7 @@
  * between them is the caller's (backend_cuda.c: moe_compute.h); the pool the
  * dispatch returns maps its rows into the combine's per-source segments
  * (mm_expert_pool.out_rows), so the compute's output is the combine's send
- * buffer and, at one rank, also its receive buffer (no copy at all).
+ * buffer and, at one rank over NCCL, also its receive buffer (no copy).
  *
  * Modes:
  *   normal       exact counts are all-gathered and read on the host (one
