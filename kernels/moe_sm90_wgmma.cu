@@ -161,6 +161,7 @@
 #include <vector>
 
 #include "moe_sm90_impl.h"
+#include "sm90_ptx.h"
 
 namespace {
 
@@ -258,47 +259,6 @@ struct Params {
 
 /* ------------------------------------------------------------ PTX bits ---- */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(uint64_t *b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity) {
-  uint32_t ok;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(smem_u32(b)), "r"(parity)
-        : "memory");
-  } while (!ok);
-}
-__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes,
-                                         uint64_t *bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *map, int c0, int c1,
-                                       uint64_t *bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
-      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-      : "memory");
-}
 /* The consumer warpgroups' turn barriers (Kern::kTurn = 2, 3) with the id
  * as an immediate, for the FP8 mixed kernels' 64-wide tiles: beside the
  * double-buffered loop (Kern::k_loop_db) ptxas spilled the register holding
@@ -311,35 +271,6 @@ __device__ __forceinline__ void turn_sync(int c) {
 __device__ __forceinline__ void turn_grant(int c) { /* the other warpgroup's turn */
   if (c) asm volatile("bar.arrive 2, 256;" ::: "memory");
   else asm volatile("bar.arrive 3, 256;" ::: "memory");
-}
-__device__ __forceinline__ void named_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-template <int R>
-__device__ __forceinline__ void fence_acc(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-/* K-major, 128B-swizzled B tile: 8-row atoms 1024 bytes apart. */
-__device__ __forceinline__ uint64_t desc_b(uint32_t saddr) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(16 >> 4) << 16) |
-         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
 }
 /* Mode 2: the F16 pair (value * 2^-14) of slot o of both 16-bit lanes of a
  * code word: magnitude to bits 9-11, sign to bit 15. The layout puts slot
@@ -456,22 +387,9 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
 
 /* Inline asm wants literal operand lists, so one macro writes the six
  * specializations. Per N: the accumulator's "+f" constraints and PTX operands
- * (%0 .. %(N/2 - 1)), then the operands after them: {a0..a3}, desc and
- * scale_d. KTYPE: K and the input types; TAIL: F16's B-transpose immediate. */
-#define MM_ACC8(d, o)                                                                        \
-  "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
-      "+f"(d[o + 6]), "+f"(d[o + 7])
-#define MM_ACC_16(d) MM_ACC8(d, 0)
-#define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
-#define MM_ACC_48(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16)
-#define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
-#define MM_ACC_80(d) MM_ACC_64(d), MM_ACC8(d, 32)
-#define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
-#define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
-#define MM_D_48 MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23"
-#define MM_D_64 \
-  MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define MM_D_80 MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39"
+ * (%0 .. %(N/2 - 1), MM_ACC_N and MM_D_N in sm90_ptx.h), then the operands
+ * after them: {a0..a3}, desc and scale_d. KTYPE: K and the input types;
+ * TAIL: F16's B-transpose immediate. */
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
 #define MM_AB_48 "{%24, %25, %26, %27}, %28"
@@ -1640,37 +1558,6 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
 }
 
 /* --------------------------------------------------------------- host ---- */
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-  if (!fn) {
-    cudaDriverEntryPointQueryResult q;
-    void *f = NULL;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
-  }
-  return fn;
-}
-
-/* 2-D map over [outer, inner] (inner contiguous), box {box0, 64}. */
-mm_err *make_map(CUtensorMap *m, CUtensorMapDataType dt, const void *base, uint64_t inner,
-                 uint64_t outer, uint64_t row_bytes, uint32_t box0, uint32_t box1, bool swz) {
-  PFN_cuTensorMapEncodeTiled_v12000 fn = encode_fn();
-  if (!fn) return mm_error(MEGAMOE_CODE_INTERNAL, "cuTensorMapEncodeTiled is not available");
-  cuuint64_t dims[2] = {inner, outer}, strides[1] = {row_bytes};
-  cuuint32_t box[2] = {box0, box1}, estr[2] = {1, 1};
-  CUresult r = fn(m, dt, 2, const_cast<void *>(base), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  swz ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return mm_error(MEGAMOE_CODE_INTERNAL,
-                    "cuTensorMapEncodeTiled failed (%d) for [%llu, %llu] box {%u, %u}", (int)r,
-                    (unsigned long long)outer, (unsigned long long)inner, box0, box1);
-  return NULL;
-}
 
 /* Per-device state: the ranks of one process drive different devices from
  * different threads, and a function attribute belongs to one device's

@@ -8,6 +8,7 @@
 #                  at its power cap: docs/PERF.md, version 17)
 #   BENCH_SUSTAINED=0  skip the sustained prefill rows (M = 32768 after 1.5 s of
 #                  warm-up per measurement, every mode)
+#   BENCH_PROBE=0  skip the prefill-structure probe (kernels/bench_prefill_probe)
 #   BENCH_EP_ARGS  arguments for bench_ep (default: --tokens 4096 --ll-tokens 1,32,128)
 #   BENCH_LAYER=0  skip the whole-layer run (it synthesizes a 5.4 GB GLM-5 layer
 #                  in BENCH_WORK, default a temp dir, unless BENCH_LAYER_CKPT names one)
@@ -41,6 +42,15 @@ if [ -x "$b" ]; then
       "$b" $args --warmup-ms 1500 --M 32768 --loads uniform
     done
   fi
+fi
+
+## The prefill-structure probe (docs/PERF.md, version 20): tokens as the A
+## operand, weights decoded from FP4 inside the GEMM kernel, against cuBLASLt.
+## BENCH_PROBE=0 skips it.
+b="$build/kernels/bench_prefill_probe"
+if [ "${BENCH_PROBE:-1}" != 0 ] && [ -x "$b" ]; then
+  echo "## bench_prefill_probe"
+  "$b"
 fi
 
 ## Weight preparation on the GPU and the CPU load path

@@ -1,0 +1,262 @@
+/* bench_prefill_probe.c -- the prefill-structure probe (probe_prefill.h;
+ * docs/PERF.md, version 20) on one GPU: the two GEMM shapes of one EP8 rank
+ * of GLM-5 at M = 32768 (E_loc 32, 1024 rows per expert; L1 N = 4096, K =
+ * 6144; L2 N = 6144, K = 2048), every variant checked against an FP32
+ * reference on every 61st row, then its median time (CUDA events after
+ * warm-up) against cuBLASLt FP8 of the same M x N x K in the same run, and
+ * the decode as a pass of its own.
+ *
+ *   bench_prefill_probe [--E n] [--Me n] [--iters n] [--warmup-ms t]
+ * --warmup-ms t: each measurement first runs its operation for t ms (the
+ * H200's sustained clocks under its power cap: docs/PERF.md, version 17).
+ * Exits 1 when a variant's output differs from the reference (relative
+ * Frobenius error above 4e-3, BF16 rounding is about 1.7e-3) or holds a
+ * non-finite value, or the in-kernel decode differs from the pass. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../bench/bench_gpu.h"  /* CK, timing, the cuBLASLt baseline */
+#include "../bench/bench_util.h" /* OK(): a failed call ends the run */
+#include "probe_prefill.h"
+
+static float bf16_to_float(uint16_t v) {
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* Median ms of `iters` runs of op(ctx) on the stream, after three runs and
+ * the --warmup-ms warm-up. */
+static double time_op(void (*op)(void *, cudaStream_t), void *ctx, int iters, cudaStream_t st) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++) op(ctx, st);
+  for (const double t0 = now_ms(); warming(t0, st);) op(ctx, st);
+  float *t = malloc(sizeof(float) * (size_t)iters);
+  for (int i = 0; i < iters; i++) {
+    CK(cudaEventRecord(e0, st));
+    op(ctx, st);
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&t[i], e0, e1));
+  }
+  const double ms = median(t, iters);
+  free(t);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms;
+}
+
+typedef struct {
+  const mm_probe_problem *p;
+  mm_probe_variant v;
+} gemm_call;
+static void run_gemm(void *ctx, cudaStream_t st) {
+  const gemm_call *c = ctx;
+  OK(mm_probe_gemm(c->p, c->v, st));
+}
+
+typedef struct {
+  const uint8_t *codes, *scales;
+  uint8_t *w;
+  size_t n;
+} decode_call;
+static void run_decode(void *ctx, cudaStream_t st) {
+  const decode_call *c = ctx;
+  OK(mm_probe_decode(c->codes, c->scales, c->w, c->n, st));
+}
+
+/* Relative Frobenius error of the sampled rows of out against ref; counts
+ * non-finite outputs in *bad. */
+static double check(const mm_probe_problem *p, const float *d_ref, int stride, long *bad) {
+  const int rows = (p->E * p->Me + stride - 1) / stride;
+  float *ref = malloc(sizeof(float) * (size_t)rows * p->N);
+  uint16_t *o = malloc(2 * (size_t)p->N);
+  CK(cudaMemcpy(ref, d_ref, sizeof(float) * (size_t)rows * p->N, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0;
+  *bad = 0;
+  for (int ri = 0; ri < rows; ri++) {
+    CK(cudaMemcpy(o, p->out + (size_t)ri * stride * p->N, 2 * (size_t)p->N, cudaMemcpyDeviceToHost));
+    for (int n = 0; n < p->N; n++) {
+      const double v = bf16_to_float(o[n]), r = ref[(size_t)ri * p->N + n];
+      if (!isfinite(v)) {
+        (*bad)++;
+        continue;
+      }
+      num += (v - r) * (v - r);
+      den += r * r;
+    }
+  }
+  free(ref);
+  free(o);
+  return den > 0 ? sqrt(num / den) : 0.0;
+}
+
+static long bytes_differ(const uint8_t *a, const uint8_t *b, size_t n) {
+  const size_t chunk = 1 << 24;
+  uint8_t *x = malloc(chunk), *y = malloc(chunk);
+  long diff = 0;
+  for (size_t off = 0; off < n; off += chunk) {
+    const size_t m = n - off < chunk ? n - off : chunk;
+    CK(cudaMemcpy(x, a + off, m, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(y, b + off, m, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < m; i++) diff += x[i] != y[i];
+  }
+  free(x);
+  free(y);
+  return diff;
+}
+
+/* One GEMM shape: every variant, checked and timed. Returns the number of
+ * failed checks. */
+static int run_shape(lt_ctx *lc, int E, int Me, int N, int K, int iters, cudaStream_t st) {
+  mm_probe_problem p;
+  memset(&p, 0, sizeof(p));
+  p.E = E;
+  p.Me = Me;
+  p.N = N;
+  p.K = K;
+  const size_t rows = (size_t)E * Me, wts = (size_t)E * N * K;
+  uint8_t *x, *w, *codes, *scales, *wdec;
+  float *xs_t, *ref;
+  CK(cudaMalloc((void **)&x, rows * K));
+  CK(cudaMalloc((void **)&xs_t, sizeof(float) * rows * (K / 128)));
+  CK(cudaMalloc((void **)&w, wts));
+  CK(cudaMalloc((void **)&codes, wts / 2));
+  CK(cudaMalloc((void **)&scales, wts / 32));
+  CK(cudaMalloc((void **)&wdec, wts));
+  CK(cudaMalloc((void **)&p.ready, sizeof(int) * E));
+  CK(cudaMalloc((void **)&p.out, 2 * rows * N));
+  const int stride = 61, ref_rows = (int)((rows + stride - 1) / stride);
+  CK(cudaMalloc((void **)&ref, sizeof(float) * (size_t)ref_rows * N));
+  OK(mm_probe_fill_e4m3(x, rows * K, 1, st));
+  OK(mm_probe_fill_scales(xs_t, rows * (K / 128), 3, st));
+  OK(mm_probe_fill_e4m3(codes, wts / 2, 5, st)); /* any byte is a code */
+  OK(mm_probe_fill_e4m3(scales, wts / 32, 6, st));
+  OK(mm_probe_decode(codes, scales, w, wts, st)); /* the weights of every variant */
+  p.x = x;
+  p.xs_t = xs_t;
+  p.w = w;
+  p.codes = codes;
+  p.scales = scales;
+  p.wdec = wdec;
+  OK(mm_probe_reference(&p, w, stride, ref, st));
+  CK(cudaStreamSynchronize(st));
+
+  const double flop = 2.0 * rows * N * K;
+  double lt_ms = -1;
+  {
+    uint16_t *D;
+    CK(cudaMalloc((void **)&D, 2 * rows * N));
+    lt_ms = lt_time(lc, N, (int)rows, K, CUDA_R_8F_E4M3, w, x, D, iters, st);
+    CK(cudaFree(D));
+  }
+  printf("## E %d, %d rows per expert, N %d, K %d: cuBLASLt FP8 same shape %.1f us (%.0f TFLOP/s)\n",
+         E, Me, N, K, 1e3 * lt_ms, flop / lt_ms / 1e9);
+  printf("| variant | rel err | non-finite | us | TFLOP/s | cuBLASLt / ours |\n|---|---|---|---|---|---|\n");
+  int failed = 0;
+  for (int v = 0; v < MM_PROBE_VARIANTS; v++) {
+    CK(cudaMemsetAsync(p.out, 0xFF, 2 * rows * N, st)); /* poison: NaN */
+    CK(cudaMemsetAsync(wdec, 0xFF, wts, st));
+    OK(mm_probe_gemm(&p, (mm_probe_variant)v, st));
+    CK(cudaStreamSynchronize(st));
+    long bad = 0;
+    const double rel = check(&p, ref, stride, &bad);
+    const int decodes = v == MM_PROBE_SS_DECODE || v == MM_PROBE_SPLITN_DECODE;
+    const long diff = decodes ? bytes_differ(wdec, w, wts) : 0;
+    const int ok = rel <= 4e-3 && bad == 0 && diff == 0;
+    failed += !ok;
+    gemm_call call = {&p, (mm_probe_variant)v};
+    const double ms = time_op(run_gemm, &call, iters, st);
+    printf("| %s | %.2e%s | %ld | %.1f | %.0f | %.3f |\n", mm_probe_variant_name((mm_probe_variant)v),
+           rel, ok ? "" : (diff ? " DECODE DIFFERS" : " FAIL"), bad, 1e3 * ms, flop / ms / 1e9,
+           lt_ms / ms);
+    fflush(stdout);
+  }
+  CK(cudaFree(x));
+  CK(cudaFree(xs_t));
+  CK(cudaFree(w));
+  CK(cudaFree(codes));
+  CK(cudaFree(scales));
+  CK(cudaFree(wdec));
+  CK(cudaFree(p.ready));
+  CK(cudaFree(p.out));
+  CK(cudaFree(ref));
+  return failed;
+}
+
+/* The decode of both GEMMs' weights as a pass of its own. */
+static void run_decode_pass(size_t weights, int iters, cudaStream_t st) {
+  uint8_t *codes, *scales, *w;
+  CK(cudaMalloc((void **)&codes, weights / 2));
+  CK(cudaMalloc((void **)&scales, weights / 32));
+  CK(cudaMalloc((void **)&w, weights));
+  OK(mm_probe_fill_e4m3(codes, weights / 2, 5, st));
+  OK(mm_probe_fill_e4m3(scales, weights / 32, 6, st));
+  decode_call call = {codes, scales, w, weights};
+  const double ms = time_op(run_decode, &call, iters, st);
+  const double bytes = weights * (0.5 + 1.0 / 32 + 1.0);
+  printf("## decode pass, %.0f M weights (read %.0f MB, write %.0f MB): %.1f us, %.0f GB/s\n",
+         weights / 1e6, weights * (0.5 + 1.0 / 32) / 1e6, weights / 1e6, 1e3 * ms, bytes / ms / 1e6);
+  CK(cudaFree(codes));
+  CK(cudaFree(scales));
+  CK(cudaFree(w));
+}
+
+int main(int argc, char **argv) {
+  int E = 32, Me = 1024, iters = 20;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!v) {
+      fprintf(stderr, "%s needs a value (see the header of bench_prefill_probe.c)\n", a);
+      return 2;
+    }
+    if (!strcmp(a, "--E")) E = atoi(v);
+    else if (!strcmp(a, "--Me")) Me = atoi(v);
+    else if (!strcmp(a, "--iters")) iters = atoi(v);
+    else if (!strcmp(a, "--warmup-ms")) g_warmup_ms = atof(v);
+    else {
+      fprintf(stderr, "unknown option %s (see the header of bench_prefill_probe.c)\n", a);
+      return 2;
+    }
+    i++;
+  }
+  if (E < 1 || Me < 256 || Me % 256 || iters < 1) {
+    fprintf(stderr, "--E >= 1, --Me a multiple of 256, --iters >= 1\n");
+    return 2;
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    printf("bench_prefill_probe: no GPU\n");
+    return 77;
+  }
+  struct cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    printf("bench_prefill_probe: needs sm_90 (found sm_%d%d)\n", prop.major, prop.minor);
+    return 77;
+  }
+  printf("# device %s; E %d, %d rows per expert; iters %d; warm-up %.0f ms\n", prop.name, E, Me,
+         iters, g_warmup_ms);
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  lt_ctx lc = {0};
+  if (cublasLtCreate(&lc.lt) != CUBLAS_STATUS_SUCCESS) {
+    fprintf(stderr, "cublasLtCreate failed\n");
+    return 1;
+  }
+  lc.ws_bytes = 64u << 20;
+  CK(cudaMalloc(&lc.ws, lc.ws_bytes));
+  int failed = run_shape(&lc, E, Me, 4096, 6144, iters, st); /* L1: 2 I x H */
+  failed += run_shape(&lc, E, Me, 6144, 2048, iters, st);    /* L2: H x I */
+  run_decode_pass((size_t)E * (4096ull * 6144 + 6144ull * 2048), iters, st); /* both GEMMs */
+  cublasLtDestroy(lc.lt);
+  CK(cudaFree(lc.ws));
+  if (failed) printf("bench_prefill_probe: %d checks FAILED\n", failed);
+  return failed ? 1 : 0;
+}

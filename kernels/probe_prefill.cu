@@ -1,0 +1,413 @@
+/* probe_prefill.cu -- the prefill-structure probe (probe_prefill.h;
+ * docs/PERF.md, version 20). A persistent grid of CTAs, each one producer
+ * warpgroup (thread 0 issues the copies; with the in-kernel decode its warps
+ * 1-3 decode weights) and two consumer warpgroups of m64n128k32 SS WGMMAs.
+ * Work units (expert, M tile, N tile), M tiles fastest, so that the CTAs
+ * running at one time share the weight tiles of an expert in L2. */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include "moe_sm90_impl.h"
+#include "sm90_ptx.h"
+
+extern "C" {
+#include "probe_prefill.h"
+}
+
+namespace {
+
+/* The probe's FP4 word (8 weights): bytes 0-3 from nibbles 0-3 (magnitude
+ * bits 0-2 of each) with their signs at bits 8i + 7, bytes 4-7 from nibbles
+ * 4-7 with their signs at bits 8i + 3; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+ * times 2^d through one byte permute per 4 weights, d from the group's
+ * exponent byte (0-3: every value stays a normal E4M3). The same 7
+ * instructions per 8 weights as the product's mode 1 decode. */
+__device__ __forceinline__ void probe_table(uint32_t d, uint32_t &tx, uint32_t &ty) {
+  tx = 0x3C383000u + 8u * d * 0x01010100u;
+  ty = 0x4C484440u + 8u * d * 0x01010101u;
+}
+__device__ __forceinline__ void probe_dec8(uint32_t w, uint32_t tx, uint32_t ty, uint32_t &lo,
+                                           uint32_t &hi) {
+  const uint32_t sel = w & 0x77777777u;
+  lo = prmt(tx, ty, sel) | (w & 0x80808080u);
+  hi = prmt(tx, ty, sel >> 16) | ((w << 4) & 0x80808080u);
+}
+/* 32 weights: 16 code bytes and their exponent byte -> 32 E4M3 bytes. */
+__device__ __forceinline__ void probe_dec32(uint4 c, uint32_t sb, uint4 *out) {
+  uint32_t tx, ty, o[8];
+  probe_table(sb & 3u, tx, ty);
+  probe_dec8(c.x, tx, ty, o[0], o[1]);
+  probe_dec8(c.y, tx, ty, o[2], o[3]);
+  probe_dec8(c.z, tx, ty, o[4], o[5]);
+  probe_dec8(c.w, tx, ty, o[6], o[7]);
+  out[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  out[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" MM_D_128
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : MM_ACC_128(d)
+               : "l"(da), "l"(db), "r"(scale_d));
+}
+
+/* kSplitN: 64 x 256 tiles, each warpgroup one 128-row half of B (else
+ * 128 x 128, each warpgroup 64 of the tokens); kCluster: clusters of 2 CTAs
+ * on neighbouring M tiles, each copying one half of B into both; kDecode:
+ * the weights come as FP4 and are decoded into p.wdec ahead of the GEMM. */
+template <bool kSplitN, bool kCluster, bool kDecode>
+struct Probe {
+  static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
+  static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
+  static constexpr int kStage = kA + kB + kS;
+  static constexpr int kStg = 2 * 16384; /* per consumer: 64 rows x 128 BF16 columns */
+  static constexpr int kStages0 = (232448 - 2048 - kStg) / kStage;
+  static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
+  static constexpr int kOffStg = kStages * kStage;
+  static constexpr int kBytes = kOffStg + kStg + 1024 + 256;
+  static constexpr int kDecodeRows = 16; /* rows per decode task */
+};
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/* The in-kernel decode, on the producer warpgroup's warps 1-3: tasks of 16
+ * weight rows dealt over the CTAs in expert order, four 32-weight groups in
+ * flight per thread (the loads are the latency); each warp counts a finished
+ * task in ready[expert] after making its writes visible to the async proxy,
+ * whose tensor copies read them. */
+__device__ void decode_tasks(const mm_probe_problem &p, int d, int per_expert) {
+  const int groups_per_row = p.K / 32, ntasks = p.E * per_expert;
+  const uint4 *codes = (const uint4 *)p.codes;
+  uint4 *wdec = (uint4 *)p.wdec;
+  for (int t = blockIdx.x; t < ntasks; t += gridDim.x) {
+    const size_t g0 = (size_t)t * 16 * groups_per_row, n = (size_t)16 * groups_per_row;
+    for (size_t i0 = d; i0 < n; i0 += 4 * 96) {
+      uint4 c[4];
+      uint32_t sb[4];
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        if (i0 + 96 * j < n) {
+          c[j] = __ldcs(codes + g0 + i0 + 96 * j);
+          sb[j] = __ldcs(p.scales + g0 + i0 + 96 * j);
+        }
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        if (i0 + 96 * j < n) probe_dec32(c[j], sb[j], wdec + 2 * (g0 + i0 + 96 * j));
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    __threadfence();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) atomicAdd(&p.ready[t / per_expert], 1);
+  }
+}
+
+template <bool kSplitN, bool kCluster, bool kDecode>
+__global__ void __launch_bounds__(384, 1)
+    probe_kernel(const mm_probe_problem p, const __grid_constant__ CUtensorMap ta,
+                 const __grid_constant__ CUtensorMap tb, const __grid_constant__ CUtensorMap to) {
+  using G = Probe<kSplitN, kCluster, kDecode>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t *full = (uint64_t *)(sm + G::kOffStg + G::kStg), *empty = full + G::kStages;
+  const int wg = threadIdx.x / 128, KB = p.K / 128, MT = p.Me / G::BM, NT = p.N / G::BN;
+  uint32_t crank = 0;
+  if (kCluster) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < G::kStages; s++) {
+      mbar_init(&full[s], 1);
+      /* with clusters one arrive per consumer warp of both CTAs: the
+       * producer's next copy writes into both */
+      mbar_init(&empty[s], kCluster ? 16 : 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (kCluster) cluster_sync();
+  /* units: with clusters, a pair of neighbouring M tiles per cluster */
+  const int ustep = kCluster ? gridDim.x / 2 : gridDim.x, ufirst = kCluster ? blockIdx.x / 2 : blockIdx.x;
+  const int MTw = kCluster ? MT / 2 : MT, nunits = p.E * MTw * NT;
+  auto unit_of = [&](int u, int &e, int &mt, int &nt) {
+    e = u / (MTw * NT);
+    mt = u % (MTw * NT) % MTw;
+    nt = u % (MTw * NT) / MTw;
+    if (kCluster) mt = 2 * mt + (int)crank;
+  };
+
+  if (wg == 0) { /* producer warpgroup */
+    if (kDecode && threadIdx.x >= 32) decode_tasks(p, threadIdx.x - 32, p.N / G::kDecodeRows);
+    if (threadIdx.x == 0) {
+      int stage = 0, e_ready = -1;
+      uint32_t phase = 0;
+      for (int u = ufirst; u < nunits; u += ustep) {
+        int e, mt, nt;
+        unit_of(u, e, mt, nt);
+        if (kDecode && e != e_ready) { /* the expert's weights, decoded by every CTA */
+          const int want = 3 * (p.N / G::kDecodeRows);
+          for (;;) {
+            int v;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + e) : "memory");
+            if (v >= want) break;
+            __nanosleep(200);
+          }
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          e_ready = e;
+        }
+        const int row0 = e * p.Me + mt * G::BM, brow = e * p.N + nt * G::BN;
+        for (int kb = 0; kb < KB; kb++) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          uint8_t *st = sm + stage * G::kStage;
+          mbar_expect_tx(&full[stage], G::kA + G::kB + 4 * G::BM);
+          tma_2d(st, &ta, kb * 128, row0, &full[stage]);
+          if (kCluster) {
+            const int half = (int)crank * (G::BN / 2);
+            asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes."
+                "multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(st + G::kA + half * 128)),
+                "l"((uint64_t)&tb), "r"(kb * 128), "r"(brow + half), "r"(smem_u32(&full[stage])),
+                "h"((uint16_t)3)
+                : "memory");
+          } else {
+            tma_2d(st + G::kA, &tb, kb * 128, brow, &full[stage]);
+          }
+          bulk_g2s(st + G::kA + G::kB, p.xs_t + (size_t)kb * p.E * p.Me + row0, 4 * G::BM,
+                   &full[stage]);
+          if (++stage == G::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    if (kCluster) cluster_sync(); /* the peer's copies and arrivals reach us until it ends */
+    return;
+  }
+
+  /* consumers */
+  const int c = wg - 1, t = threadIdx.x % 128, w = t / 32, l = t % 32;
+  const int aoff = kSplitN ? 0 : 64 * c, boff = kSplitN ? 128 * c : 0;
+  const int r0 = aoff + 16 * w + l / 4; /* rows r0, r0 + 8 of the tile */
+  uint32_t peer_empty = 0;
+  /* the peer's barrier: a plain (CTA-scope release) remote arrive; with
+   * .release.cluster every arrive waited for a cluster-scope fence and the
+   * kernel ran at half speed (docs/PERF.md, version 20) */
+  if (kCluster)
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_empty) : "r"(smem_u32(empty)), "r"(crank ^ 1));
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc[64], fin[64];
+  uint8_t *stg = sm + G::kOffStg + c * 16384;
+  for (int u = ufirst; u < nunits; u += ustep) {
+    int e, mt, nt;
+    unit_of(u, e, mt, nt);
+#pragma unroll
+    for (int i = 0; i < 64; i++) fin[i] = 0.f;
+    for (int kb = 0; kb < KB; kb++) {
+      mbar_wait(&full[stage], phase);
+      uint8_t *st = sm + stage * G::kStage;
+      const uint64_t da = desc_b(smem_u32(st + aoff * 128)), db = desc_b(smem_u32(st + G::kA + boff * 128));
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
+      wg_commit();
+      wg_wait<0>();
+      const float *sc = (const float *)(st + G::kA + G::kB);
+      const float s0 = sc[r0], s1 = sc[r0 + 8];
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      if (kCluster) {
+        __syncwarp();
+        if (l == 0) {
+          mbar_arrive(&empty[stage]);
+          asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty + 8 * stage) : "memory");
+        }
+      } else {
+        mbar_arrive(&empty[stage]);
+      }
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);
+        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
+        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
+        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+      }
+      if (++stage == G::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    /* BF16 tile into this warpgroup's staging (two 64-column boxes, 128B
+     * swizzle), then thread 0's two tensor stores, which drain while the
+     * next unit's MMAs run */
+    const uint32_t bar = 1 + c;
+    if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    named_sync(bar, 128);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      const int col = 8 * j + 2 * (l % 4), h = col / 64, cb = (col % 64) * 2;
+#pragma unroll
+      for (int q = 0; q < 2; q++) {
+        const int rr = 16 * w + l / 4 + 8 * q;
+        const int off = h * 8192 + rr * 128 + ((((cb >> 4) ^ (rr & 7)) << 4) | (cb & 15));
+        __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * q], fin[4 * j + 2 * q + 1]);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stg + off)), "r"(*(uint32_t *)&v)
+                     : "memory");
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_sync(bar, 128);
+    if (t == 0) {
+      const int row = e * p.Me + mt * G::BM + aoff, col = nt * G::BN + boff;
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                         (uint64_t)&to),
+                     "r"(col + 64 * h), "r"(row), "r"(smem_u32(stg + h * 8192))
+                     : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+  }
+  if (t == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (kCluster) cluster_sync();
+}
+
+template <bool kSplitN, bool kCluster, bool kDecode>
+mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
+  using G = Probe<kSplitN, kCluster, kDecode>;
+  MM_ARG_CHECK(p.E > 0 && p.Me > 0 && p.Me % 256 == 0 && p.N % 256 == 0 && p.K % 128 == 0,
+               "probe: Me and N must be multiples of 256, K of 128");
+  CUtensorMap ta, tb, to;
+  const int rows = p.E * p.Me;
+  MM_TRY(make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.x, p.K, rows, p.K, 128, G::BM, true));
+  MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, kDecode ? p.wdec : p.w, p.K,
+                  (uint64_t)p.E * p.N, p.K, 128, kCluster ? G::BN / 2 : G::BN, true));
+  MM_TRY(make_map(&to, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.out, p.N, rows, 2ull * p.N, 64, 64, true));
+  auto kern = probe_kernel<kSplitN, kCluster, kDecode>;
+  MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
+  if (kDecode) MM_CUDA_TRY(cudaMemsetAsync(p.ready, 0, sizeof(int) * p.E, st));
+  int dev = 0, sms = 0;
+  MM_CUDA_TRY(cudaGetDevice(&dev));
+  MM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = kCluster ? 2 : 1;
+  at.val.clusterDim.y = at.val.clusterDim.z = 1;
+  cfg.gridDim = dim3(sms);
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = G::kBytes;
+  cfg.stream = st;
+  cfg.attrs = &at;
+  cfg.numAttrs = 1;
+  if (kCluster) { /* clusters sit inside a GPC: not every SM may hold one */
+    int clusters = 0;
+    MM_CUDA_TRY(cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg));
+    MM_ARG_CHECK(clusters > 0, "probe: no cluster of 2 fits");
+    cfg.gridDim = dim3(2 * clusters);
+  }
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, tb, to));
+  return NULL;
+}
+
+__global__ void decode_kernel(const uint4 *codes, const uint8_t *scales, uint4 *w, size_t groups) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < groups;
+       i += (size_t)gridDim.x * blockDim.x)
+    probe_dec32(codes[i], scales[i], w + 2 * i);
+}
+
+__device__ __forceinline__ uint32_t hash32(size_t i, uint32_t seed) {
+  uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+  h ^= h >> 13;
+  h *= 0x5bd1e995u;
+  return h ^ (h >> 15);
+}
+__global__ void fill_e4m3_kernel(uint8_t *p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t h = hash32(i, seed);
+    p[i] = (uint8_t)((h & 0x80) | ((4 + ((h >> 8) & 7)) << 3) | ((h >> 16) & 7));
+  }
+}
+__global__ void fill_scales_kernel(float *p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i] = 1e-3f * (0.5f + (float)(hash32(i, seed) >> 8) / 16777216.0f);
+}
+
+/* Row r = blockIdx.y * stride, column n: sum over K blocks of the block's
+ * FP32 dot product times the token's scale. */
+__global__ void reference_kernel(mm_probe_problem p, const uint8_t *w, int stride, float *ref) {
+  const int r = blockIdx.y * stride, n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= p.E * p.Me || n >= p.N) return;
+  const uint8_t *a = p.x + (size_t)r * p.K, *b = w + ((size_t)(r / p.Me) * p.N + n) * p.K;
+  float tot = 0.f;
+  for (int kb = 0; kb < p.K / 128; kb++) {
+    float s = 0.f;
+    for (int k = 128 * kb; k < 128 * kb + 128; k++) {
+      __nv_fp8_e4m3 x, y;
+      x.__x = a[k];
+      y.__x = b[k];
+      s += (float)x * (float)y;
+    }
+    tot += s * p.xs_t[(size_t)kb * p.E * p.Me + r];
+  }
+  ref[(size_t)blockIdx.y * p.N + n] = tot;
+}
+
+}  // namespace
+
+extern "C" const char *mm_probe_variant_name(mm_probe_variant v) {
+  switch (v) {
+    case MM_PROBE_SS: return "SS 128x128";
+    case MM_PROBE_SS_MCAST: return "SS 128x128, clusters of 2 multicasting B";
+    case MM_PROBE_SS_DECODE: return "SS 128x128, clusters, FP4 decoded in the kernel";
+    case MM_PROBE_SPLITN_DECODE: return "SS 64x256, clusters, FP4 decoded in the kernel";
+    default: return "?";
+  }
+}
+
+extern "C" mm_err *mm_probe_gemm(const mm_probe_problem *p, mm_probe_variant v, void *stream) {
+  MM_ARG_CHECK(p, "probe: no problem");
+  cudaStream_t st = (cudaStream_t)stream;
+  switch (v) {
+    case MM_PROBE_SS: return launch<false, false, false>(*p, st);
+    case MM_PROBE_SS_MCAST: return launch<false, true, false>(*p, st);
+    case MM_PROBE_SS_DECODE: return launch<false, true, true>(*p, st);
+    case MM_PROBE_SPLITN_DECODE: return launch<true, true, true>(*p, st);
+    default: return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "probe: variant %d", (int)v);
+  }
+}
+
+extern "C" mm_err *mm_probe_decode(const uint8_t *codes, const uint8_t *scales, uint8_t *w,
+                                   size_t n, void *stream) {
+  MM_ARG_CHECK(n % 32 == 0, "probe: decode whole groups of 32");
+  decode_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>((const uint4 *)codes, scales, (uint4 *)w, n / 32);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+extern "C" mm_err *mm_probe_fill_e4m3(uint8_t *p, size_t n, uint32_t seed, void *stream) {
+  fill_e4m3_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+extern "C" mm_err *mm_probe_fill_scales(float *p, size_t n, uint32_t seed, void *stream) {
+  fill_scales_kernel<<<256, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+extern "C" mm_err *mm_probe_reference(const mm_probe_problem *p, const uint8_t *w, int stride,
+                                      float *ref, void *stream) {
+  MM_ARG_CHECK(p && stride > 0 && p->N % 128 == 0, "probe: reference arguments");
+  const int rows = (p->E * p->Me + stride - 1) / stride;
+  reference_kernel<<<dim3(p->N / 128, rows), 128, 0, (cudaStream_t)stream>>>(*p, w, stride, ref);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
