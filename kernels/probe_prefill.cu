@@ -59,7 +59,7 @@ __device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t 
  * 128 x 128, each warpgroup 64 of the tokens); kCluster: clusters of 2 CTAs
  * on neighbouring M tiles, each copying one half of B into both; kDecode:
  * the weights come as FP4 and are decoded into p.wdec ahead of the GEMM. */
-template <bool kSplitN, bool kCluster, bool kDecode>
+template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
 struct Probe {
   static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
   static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
@@ -107,11 +107,66 @@ __device__ void decode_tasks(const mm_probe_problem &p, int d, int per_expert) {
   }
 }
 
-template <bool kSplitN, bool kCluster, bool kDecode>
+/* The L1 epilogue of a 64 x 256 tile (kSwiGLU): columns 2i and 2i + 1 are
+ * gate i and up i (each thread holds such pairs), rounded to BF16, then
+ * silu(gate) * up; the amax of a token's 128 outputs (both warpgroups'
+ * halves, through shared memory, double-buffered by unit parity: the only
+ * barrier both warpgroups meet) sets its FP32 scale. Each warpgroup stages
+ * its 64 FP8 columns and writes them out behind its own barrier. */
+__device__ __forceinline__ float probe_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+__device__ void swiglu_epilogue(const mm_probe_problem &p, const float (&fin)[64], uint8_t *stg,
+                                float *red, int c, int t, int row0, int nt) {
+  const int w = t / 32, l = t % 32, ra = 16 * w + l / 4;
+  float h[32], amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 16; j++)
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const float g = __bfloat162float(__float2bfloat16_rn(fin[4 * j + 2 * q]));
+      const float u = __bfloat162float(__float2bfloat16_rn(fin[4 * j + 2 * q + 1]));
+      h[2 * j + q] = probe_silu(g) * u;
+      amax[q] = fmaxf(amax[q], fabsf(h[2 * j + q]));
+    }
+#pragma unroll
+  for (int q = 0; q < 2; q++) {
+    amax[q] = fmaxf(amax[q], __shfl_xor_sync(0xffffffffu, amax[q], 1));
+    amax[q] = fmaxf(amax[q], __shfl_xor_sync(0xffffffffu, amax[q], 2));
+  }
+  if (l % 4 == 0) {
+    red[c * 64 + ra] = amax[0];
+    red[c * 64 + ra + 8] = amax[1];
+  }
+  named_sync(3, 256);
+  float inv[2];
+#pragma unroll
+  for (int q = 0; q < 2; q++) {
+    const int r = ra + 8 * q;
+    const float s = fmaxf(fmaxf(red[r], red[64 + r]), 1e-4f) / 448.0f;
+    inv[q] = 1.0f / s;
+    if (c == 0 && l % 4 == 0) p.act_s[(size_t)nt * p.E * p.Me + row0 + r] = s;
+  }
+  uint8_t *half = stg + c * 4096; /* this warpgroup's 64 rows x 64 columns */
+#pragma unroll
+  for (int j = 0; j < 16; j++)
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+      half[(ra + 8 * q) * 64 + 4 * j + l % 4] =
+          (uint8_t)__nv_cvt_float_to_fp8(h[2 * j + q] * inv[q], __NV_SATFINITE, __NV_E4M3);
+  named_sync(1 + c, 128);
+  /* 128 threads: half of a 64-byte row each */
+  const uint4 *src = (const uint4 *)(half + (t / 2) * 64 + (t % 2) * 32);
+  uint4 *dst = (uint4 *)(p.act + (size_t)(row0 + t / 2) * (p.N / 2) + nt * 128 + 64 * c + (t % 2) * 32);
+  dst[0] = src[0];
+  dst[1] = src[1];
+  /* the next unit writes the staging only after both warpgroups meet at its
+   * amax barrier, so every thread has read it by then */
+}
+
+template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const mm_probe_problem p, const __grid_constant__ CUtensorMap ta,
                  const __grid_constant__ CUtensorMap tb, const __grid_constant__ CUtensorMap to) {
-  using G = Probe<kSplitN, kCluster, kDecode>;
+  using G = Probe<kSplitN, kCluster, kDecode, kSwiGLU>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t *full = (uint64_t *)(sm + G::kOffStg + G::kStg), *empty = full + G::kStages;
@@ -240,6 +295,12 @@ __global__ void __launch_bounds__(384, 1)
         phase ^= 1;
       }
     }
+    if (kSwiGLU) {
+      const int parity = ((u - ufirst) / ustep) & 1;
+      swiglu_epilogue(p, fin, sm + G::kOffStg, (float *)(sm + G::kOffStg + 8192) + 128 * parity, c,
+                      t, e * p.Me + mt * G::BM, nt);
+      continue;
+    }
     /* BF16 tile into this warpgroup's staging (two 64-column boxes, 128B
      * swizzle), then thread 0's two tensor stores, which drain while the
      * next unit's MMAs run */
@@ -275,9 +336,9 @@ __global__ void __launch_bounds__(384, 1)
   if (kCluster) cluster_sync();
 }
 
-template <bool kSplitN, bool kCluster, bool kDecode>
+template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
 mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
-  using G = Probe<kSplitN, kCluster, kDecode>;
+  using G = Probe<kSplitN, kCluster, kDecode, kSwiGLU>;
   MM_ARG_CHECK(p.E > 0 && p.Me > 0 && p.Me % 256 == 0 && p.N % 256 == 0 && p.K % 128 == 0,
                "probe: Me and N must be multiples of 256, K of 128");
   CUtensorMap ta, tb, to;
@@ -286,7 +347,8 @@ mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
   MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, kDecode ? p.wdec : p.w, p.K,
                   (uint64_t)p.E * p.N, p.K, 128, kCluster ? G::BN / 2 : G::BN, true));
   MM_TRY(make_map(&to, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.out, p.N, rows, 2ull * p.N, 64, 64, true));
-  auto kern = probe_kernel<kSplitN, kCluster, kDecode>;
+  MM_ARG_CHECK(!kSwiGLU || (p.act && p.act_s), "probe: the SwiGLU variant writes act and act_s");
+  auto kern = probe_kernel<kSplitN, kCluster, kDecode, kSwiGLU>;
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
   if (kDecode) MM_CUDA_TRY(cudaMemsetAsync(p.ready, 0, sizeof(int) * p.E, st));
   int dev = 0, sms = 0;
@@ -367,6 +429,7 @@ extern "C" const char *mm_probe_variant_name(mm_probe_variant v) {
     case MM_PROBE_SS_MCAST: return "SS 128x128, clusters of 2 multicasting B";
     case MM_PROBE_SS_DECODE: return "SS 128x128, clusters, FP4 decoded in the kernel";
     case MM_PROBE_SPLITN_DECODE: return "SS 64x256, clusters, FP4 decoded in the kernel";
+    case MM_PROBE_SWIGLU: return "the same with an L1 epilogue (SwiGLU, FP8 requant)";
     default: return "?";
   }
 }
@@ -379,6 +442,7 @@ extern "C" mm_err *mm_probe_gemm(const mm_probe_problem *p, mm_probe_variant v, 
     case MM_PROBE_SS_MCAST: return launch<false, true, false>(*p, st);
     case MM_PROBE_SS_DECODE: return launch<false, true, true>(*p, st);
     case MM_PROBE_SPLITN_DECODE: return launch<true, true, true>(*p, st);
+    case MM_PROBE_SWIGLU: return launch<true, true, true, true>(*p, st);
     default: return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "probe: variant %d", (int)v);
   }
 }

@@ -19,6 +19,8 @@ typedef enum {
   MM_PROBE_SS_MCAST,      /* + clusters of 2 CTAs along M multicasting B halves */
   MM_PROBE_SS_DECODE,     /* + the weights decoded from FP4 inside the kernel */
   MM_PROBE_SPLITN_DECODE, /* the same with 64 x 256 tiles (each warpgroup one B half) */
+  MM_PROBE_SWIGLU,        /* that with an L1 epilogue: columns 2i, 2i + 1 gate and up i,
+                             BF16-rounded, silu(gate) * up, FP8 per token per 128 outputs */
   MM_PROBE_VARIANTS
 } mm_probe_variant;
 
@@ -34,6 +36,8 @@ typedef struct {
   uint8_t *wdec;            /* [E N][K] E4M3 the in-kernel decode writes */
   int *ready;               /* [E] decode progress counters (zeroed per call here) */
   uint16_t *out;            /* [E Me][N] BF16 */
+  uint8_t *act;             /* MM_PROBE_SWIGLU: [E Me][N / 2] FP8 */
+  float *act_s;             /* and its scales [N / 256][E Me] */
 } mm_probe_problem;
 
 const char *mm_probe_variant_name(mm_probe_variant v);
