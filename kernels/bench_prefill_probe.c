@@ -12,7 +12,9 @@
  * Exits 1 when a variant's output differs from the reference (relative
  * Frobenius error above 4e-3, BF16 rounding is about 1.7e-3; for the L1
  * epilogue's FP8 outputs 4e-2, and its block scales within 1e-2) or holds a
- * non-finite value, or the in-kernel decode differs from the pass. */
+ * non-finite value, or the in-kernel decode differs from the pass (for mode
+ * 1's records: from their weights decoded one by one from the layout's
+ * formulas). */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -21,6 +23,7 @@
 
 #include "../bench/bench_gpu.h"  /* CK, timing, the cuBLASLt baseline */
 #include "../bench/bench_util.h" /* OK(): a failed call ends the run */
+#include "layout_sm90.h" /* the fold table */
 #include "probe_prefill.h"
 
 static float bf16_to_float(uint16_t v) {
@@ -199,6 +202,28 @@ static int run_shape(lt_ctx *lc, int E, int Me, int N, int K, int l1, int iters,
   p.scales = scales;
   p.wdec = wdec;
   OK(mm_probe_reference(&p, w, stride, ref, st));
+  /* mode 1's records, their weights decoded from the layout's formulas, and
+   * that reference (the record variants) */
+  const size_t rec_bytes = (size_t)E * (N / 64) * (K / 128) * 4480;
+  uint8_t *records, *lut, *w_rec;
+  float *ref_rec;
+  CK(cudaMalloc((void **)&records, rec_bytes));
+  CK(cudaMalloc((void **)&lut, 256));
+  CK(cudaMalloc((void **)&w_rec, wts));
+  CK(cudaMalloc((void **)&ref_rec, sizeof(float) * (size_t)ref_rows * N));
+  {
+    static uint8_t full[MM_SM90_LUT_ENTRIES][8];
+    uint8_t compact[256] = {0};
+    mm_sm90_lut_table(full);
+    for (int k = MM_SM90_LUT_KMIN; k <= MM_SM90_LUT_KMAX; k++)
+      memcpy(compact + 8 * (k - MM_SM90_LUT_KMIN), full[MM_SM90_LUT_INDEX(k, 0)], 8);
+    CK(cudaMemcpy(lut, compact, 256, cudaMemcpyHostToDevice));
+  }
+  OK(mm_probe_fill_records(records, rec_bytes, 7, st));
+  OK(mm_probe_decode_records(records, lut, w_rec, (size_t)E * N, K, st));
+  OK(mm_probe_reference(&p, w_rec, stride, ref_rec, st));
+  p.records = records;
+  p.lut = lut;
   CK(cudaStreamSynchronize(st));
 
   const double flop = 2.0 * rows * N * K;
@@ -214,8 +239,10 @@ static int run_shape(lt_ctx *lc, int E, int Me, int N, int K, int l1, int iters,
   printf("| variant | rel err | non-finite | us | TFLOP/s | cuBLASLt / ours |\n|---|---|---|---|---|---|\n");
   int failed = 0;
   for (int v = 0; v < MM_PROBE_VARIANTS; v++) {
-    const int swiglu = v == MM_PROBE_SWIGLU;
+    const int swiglu = v == MM_PROBE_SWIGLU || v == MM_PROBE_RECORDS_SWIGLU;
+    const int recs = v == MM_PROBE_RECORDS || v == MM_PROBE_RECORDS_SWIGLU;
     if (swiglu && !l1) continue; /* the L1 epilogue belongs to the gate/up GEMM */
+    const float *vref = recs ? ref_rec : ref;
     CK(cudaMemsetAsync(p.out, 0xFF, 2 * rows * N, st)); /* poison: NaN */
     CK(cudaMemsetAsync(p.act, 0x7F, rows * (N / 2), st));
     CK(cudaMemsetAsync(p.act_s, 0xFF, sizeof(float) * rows * (N / 256), st));
@@ -224,9 +251,9 @@ static int run_shape(lt_ctx *lc, int E, int Me, int N, int K, int l1, int iters,
     CK(cudaStreamSynchronize(st));
     long bad = 0;
     double scale_err = 0;
-    const double rel = swiglu ? check_swiglu(&p, ref, stride, &scale_err) : check(&p, ref, stride, &bad);
+    const double rel = swiglu ? check_swiglu(&p, vref, stride, &scale_err) : check(&p, vref, stride, &bad);
     const int decodes = v >= MM_PROBE_SS_DECODE;
-    const long diff = decodes ? bytes_differ(wdec, w, wts) : 0;
+    const long diff = decodes ? bytes_differ(wdec, recs ? w_rec : w, wts) : 0;
     /* BF16 out: about 1.7e-3; FP8 out: up to 2^-4 per value, about 2e-2 */
     const int ok = rel <= (swiglu ? 4e-2 : 4e-3) && scale_err <= 1e-2 && bad == 0 && diff == 0;
     failed += !ok;
@@ -250,6 +277,10 @@ static int run_shape(lt_ctx *lc, int E, int Me, int N, int K, int l1, int iters,
   CK(cudaFree(p.act));
   CK(cudaFree(p.act_s));
   CK(cudaFree(ref));
+  CK(cudaFree(records));
+  CK(cudaFree(lut));
+  CK(cudaFree(w_rec));
+  CK(cudaFree(ref_rec));
   return failed;
 }
 

@@ -57,19 +57,24 @@ __device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t 
 
 /* kSplitN: 64 x 256 tiles, each warpgroup one 128-row half of B (else
  * 128 x 128, each warpgroup 64 of the tokens); kCluster: clusters of 2 CTAs
- * on neighbouring M tiles, each copying one half of B into both; kDecode:
+ * on neighbouring M tiles, each copying one half of B into both; kDecode
+ * (1: the probe's FP4 format, 2: mode 1's records):
  * the weights come as FP4 and are decoded into p.wdec ahead of the GEMM. */
-template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
+template <bool kSplitN, bool kCluster, int kDecode, bool kSwiGLU = false>
 struct Probe {
   static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
   static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
   static constexpr int kStage = kA + kB + kS;
   static constexpr int kStg = 2 * 16384; /* per consumer: 64 rows x 128 BF16 columns */
-  static constexpr int kStages0 = (232448 - 2048 - kStg) / kStage;
+  /* mode 1's records: two 64 x 128 E4M3 tiles the decoders fill and store */
+  static constexpr int kDecStg = kDecode == 2 ? 2 * 8192 : 0;
+  static constexpr int kStages0 = (232448 - 2048 - 256 - kStg - kDecStg) / kStage;
   static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
   static constexpr int kOffStg = kStages * kStage;
-  static constexpr int kBytes = kOffStg + kStg + 1024 + 256;
-  static constexpr int kDecodeRows = 16; /* rows per decode task */
+  static constexpr int kOffLut = kOffStg + kStg; /* mode 1's compact fold table, 256 bytes */
+  static constexpr int kOffDec = kOffLut + 256;
+  static constexpr int kBytes = kOffDec + kDecStg + 1024 + 256;
+  static constexpr int kDecodeRows = 16; /* rows per decode task (the probe's format) */
 };
 
 __device__ __forceinline__ void cluster_sync() {
@@ -162,14 +167,98 @@ __device__ void swiglu_epilogue(const mm_probe_problem &p, const float (&fin)[64
    * amax barrier, so every thread has read it by then */
 }
 
-template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
+/* Mode 1's records (docs/LAYOUTS.md, "Codes", FP8 modes) into the workspace:
+ * the record's thread slot T = 32w + 4g + q owns rows 16w + g and 16w + g + 8
+ * and the words u = 0..7 at byte (u / 4) * 2048 + 16 T + 4 (u % 4); word
+ * u = 2s + rr is row 16w + g + 8rr, columns 32s + 4q .. + 3 (its low half)
+ * and 32s + 16 + 4q .. + 3 (its high half), decoded through the compact
+ * fold-table entry at the row's scale byte for group s (the same two byte
+ * permutes as the current kernels' A registers). The slot's bytes go to a
+ * 64 x 128 tile in shared memory (4-byte pieces of 8 rows: written to the
+ * workspace directly they took a third more time than the GEMM). */
+/* One slot's inputs: its 8 code words and its two rows' scale bytes. */
+struct RecSlot {
+  uint4 c0, c1;
+  uint32_t sb[2];
+};
+__device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecSlot &r) {
+  const int w = T / 32, g = (T % 32) / 4;
+  r.c0 = __ldcs((const uint4 *)(rec + 16 * T));
+  r.c1 = __ldcs((const uint4 *)(rec + 2048 + 16 * T));
+  r.sb[0] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g))) & 0xF8F8F8F8u;
+  r.sb[1] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g + 8))) & 0xF8F8F8F8u;
+}
+__device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
+                                                   uint8_t *tile) {
+  const int w = T / 32, g = (T % 32) / 4, q = T % 4;
+  const uint32_t words[8] = {r.c0.x, r.c0.y, r.c0.z, r.c0.w, r.c1.x, r.c1.y, r.c1.z, r.c1.w};
+#pragma unroll
+  for (int u = 0; u < 8; u++) {
+    const int s = u / 2, rr = u % 2;
+    const uint32_t a = prmt(r.sb[rr], smem_u32(lut), 0x7650 | s); /* the entry's address */
+    uint32_t tx, ty, lo, hi;
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tx), "=r"(ty) : "r"(a));
+    probe_dec8(words[u], tx, ty, lo, hi);
+    const uint32_t at = smem_u32(tile + (16 * w + g + 8 * rr) * 128 + 32 * s + 4 * q);
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(lo) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 16), "r"(hi) : "memory");
+  }
+}
+/* Tasks of up to 16 records (one 64-row tile, 16 K blocks), dealt over the
+ * CTAs in expert order. Per record the 96 decoder threads fill one of two
+ * shared tiles and thread 0 of them stores it with one tensor copy; at the
+ * task's end it waits for its stores and counts the task in ready[expert]. */
+__device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw, int d,
+                               const uint8_t *lut, uint8_t *dec) {
+  const int KB = p.K / 128, groups = (KB + 15) / 16, per_expert = p.N / 64 * groups;
+  int n = 0;
+  for (int t = blockIdx.x; t < p.E * per_expert; t += gridDim.x) {
+    const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
+    RecSlot cur[2];
+    load_record_slot(p.records + ((size_t)tile * KB + kb0) * 4480, d, cur[0]);
+    if (d < 32) load_record_slot(p.records + ((size_t)tile * KB + kb0) * 4480, d + 96, cur[1]);
+    for (int kb = kb0; kb < kb1; kb++, n++) {
+      uint8_t *buf = dec + (n & 1) * 8192;
+      if (d == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      named_sync(4, 96); /* buf's store, two records ago, has read it */
+      /* this record's inputs were loaded one record ago; the next one's
+       * loads go out now, so their latency passes under this decode */
+      const RecSlot a0 = cur[0], a1 = cur[1];
+      if (kb + 1 < kb1) {
+        const uint8_t *nrec = p.records + ((size_t)tile * KB + kb + 1) * 4480;
+        load_record_slot(nrec, d, cur[0]);
+        if (d < 32) load_record_slot(nrec, d + 96, cur[1]);
+      }
+      decode_record_slot(a0, d, lut, buf);
+      if (d < 32) decode_record_slot(a1, d + 96, lut, buf);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_sync(4, 96);
+      if (d == 0) {
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                         (uint64_t)tw),
+                     "r"(128 * kb), "r"(64 * tile), "r"(smem_u32(buf))
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }
+    }
+    if (d == 0) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      __threadfence();
+      atomicAdd(&p.ready[t / per_expert], 1);
+    }
+  }
+  if (d == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+template <bool kSplitN, bool kCluster, int kDecode, bool kSwiGLU = false>
 __global__ void __launch_bounds__(384, 1)
     probe_kernel(const mm_probe_problem p, const __grid_constant__ CUtensorMap ta,
-                 const __grid_constant__ CUtensorMap tb, const __grid_constant__ CUtensorMap to) {
+                 const __grid_constant__ CUtensorMap tb, const __grid_constant__ CUtensorMap to,
+                 const __grid_constant__ CUtensorMap tw) {
   using G = Probe<kSplitN, kCluster, kDecode, kSwiGLU>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  uint64_t *full = (uint64_t *)(sm + G::kOffStg + G::kStg), *empty = full + G::kStages;
+  uint64_t *full = (uint64_t *)(sm + G::kOffDec + G::kDecStg), *empty = full + G::kStages;
   const int wg = threadIdx.x / 128, KB = p.K / 128, MT = p.Me / G::BM, NT = p.N / G::BN;
   uint32_t crank = 0;
   if (kCluster) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
@@ -195,7 +284,13 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   if (wg == 0) { /* producer warpgroup */
-    if (kDecode && threadIdx.x >= 32) decode_tasks(p, threadIdx.x - 32, p.N / G::kDecodeRows);
+    if (kDecode == 1 && threadIdx.x >= 32) decode_tasks(p, threadIdx.x - 32, p.N / G::kDecodeRows);
+    if (kDecode == 2 && threadIdx.x >= 32) {
+      uint8_t *lut = sm + G::kOffLut;
+      for (int i = threadIdx.x - 32; i < 64; i += 96) ((uint32_t *)lut)[i] = ((const uint32_t *)p.lut)[i];
+      named_sync(4, 96);
+      decode_records(p, &tw, threadIdx.x - 32, lut, sm + G::kOffDec);
+    }
     if (threadIdx.x == 0) {
       int stage = 0, e_ready = -1;
       uint32_t phase = 0;
@@ -203,7 +298,7 @@ __global__ void __launch_bounds__(384, 1)
         int e, mt, nt;
         unit_of(u, e, mt, nt);
         if (kDecode && e != e_ready) { /* the expert's weights, decoded by every CTA */
-          const int want = 3 * (p.N / G::kDecodeRows);
+          const int want = kDecode == 2 ? p.N / 64 * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
           for (;;) {
             int v;
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + e) : "memory");
@@ -336,18 +431,22 @@ __global__ void __launch_bounds__(384, 1)
   if (kCluster) cluster_sync();
 }
 
-template <bool kSplitN, bool kCluster, bool kDecode, bool kSwiGLU = false>
+template <bool kSplitN, bool kCluster, int kDecode, bool kSwiGLU = false>
 mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
   using G = Probe<kSplitN, kCluster, kDecode, kSwiGLU>;
   MM_ARG_CHECK(p.E > 0 && p.Me > 0 && p.Me % 256 == 0 && p.N % 256 == 0 && p.K % 128 == 0,
                "probe: Me and N must be multiples of 256, K of 128");
-  CUtensorMap ta, tb, to;
+  CUtensorMap ta, tb, to, tw;
   const int rows = p.E * p.Me;
   MM_TRY(make_map(&ta, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.x, p.K, rows, p.K, 128, G::BM, true));
   MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, kDecode ? p.wdec : p.w, p.K,
                   (uint64_t)p.E * p.N, p.K, 128, kCluster ? G::BN / 2 : G::BN, true));
   MM_TRY(make_map(&to, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.out, p.N, rows, 2ull * p.N, 64, 64, true));
+  tw = tb; /* the record decode's stores: 64 x 128 tiles of the workspace */
+  if (kDecode == 2)
+    MM_TRY(make_map(&tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.wdec, p.K, (uint64_t)p.E * p.N, p.K, 128, 64, false));
   MM_ARG_CHECK(!kSwiGLU || (p.act && p.act_s), "probe: the SwiGLU variant writes act and act_s");
+  MM_ARG_CHECK(kDecode != 2 || (p.records && p.lut), "probe: the record variants read records and lut");
   auto kern = probe_kernel<kSplitN, kCluster, kDecode, kSwiGLU>;
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
   if (kDecode) MM_CUDA_TRY(cudaMemsetAsync(p.ready, 0, sizeof(int) * p.E, st));
@@ -372,7 +471,7 @@ mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
     MM_ARG_CHECK(clusters > 0, "probe: no cluster of 2 fits");
     cfg.gridDim = dim3(2 * clusters);
   }
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, tb, to));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, tb, to, tw));
   return NULL;
 }
 
@@ -380,6 +479,25 @@ __global__ void decode_kernel(const uint4 *codes, const uint8_t *scales, uint4 *
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < groups;
        i += (size_t)gridDim.x * blockDim.x)
     probe_dec32(codes[i], scales[i], w + 2 * i);
+}
+
+/* Mode 1's records decoded weight by weight from the layout's formulas
+ * (docs/LAYOUTS.md), independently of decode_record_slot. */
+__global__ void records_reference_kernel(const uint8_t *records, const uint8_t *lut, uint8_t *w,
+                                         size_t rows, int K) {
+  const int KB = K / 128;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < rows * K;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = i / K;
+    const int k = (int)(i % K), lr = (int)(r % 64), kk = k % 128;
+    const uint8_t *rec = records + ((r / 64) * KB + k / 128) * 4480;
+    const int s = kk / 32, h = (kk % 32) / 16, b = kk % 4, q = (kk % 16) / 4, rr = (lr / 8) % 2;
+    const int T = 32 * (lr / 16) + 4 * (lr % 8) + q, u = 2 * s + rr;
+    const uint32_t word = *(const uint32_t *)(rec + (u / 4) * 2048 + 16 * T + 4 * (u % 4));
+    const uint32_t mag = h ? (word >> (16 + 4 * b)) & 7u : (word >> (4 * b)) & 7u;
+    const uint32_t sign = h ? (word >> (8 * b + 3)) & 1u : (word >> (8 * b + 7)) & 1u;
+    w[i] = (uint8_t)(lut[(rec[4096 + 4 * lr + s] & 0xF8) + mag] | sign << 7);
+  }
 }
 
 __device__ __forceinline__ uint32_t hash32(size_t i, uint32_t seed) {
@@ -393,6 +511,16 @@ __global__ void fill_e4m3_kernel(uint8_t *p, size_t n, uint32_t seed) {
        i += (size_t)gridDim.x * blockDim.x) {
     const uint32_t h = hash32(i, seed);
     p[i] = (uint8_t)((h & 0x80) | ((4 + ((h >> 8) & 7)) << 3) | ((h >> 16) & 7));
+  }
+}
+/* Random mode 1 records: any code bytes; per row and group a fold-table
+ * entry (k, 0) with k in [-6, 2] (every value a finite E4M3 of at most 24);
+ * references 0. */
+__global__ void fill_records_kernel(uint8_t *p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t h = hash32(i, seed), o = (uint32_t)(i % 4480);
+    p[i] = o < 4096 ? (uint8_t)h : o < 4352 ? (uint8_t)(8 * (16 - 6 + (int)(h % 9))) : 0;
   }
 }
 __global__ void fill_scales_kernel(float *p, size_t n, uint32_t seed) {
@@ -430,6 +558,8 @@ extern "C" const char *mm_probe_variant_name(mm_probe_variant v) {
     case MM_PROBE_SS_DECODE: return "SS 128x128, clusters, FP4 decoded in the kernel";
     case MM_PROBE_SPLITN_DECODE: return "SS 64x256, clusters, FP4 decoded in the kernel";
     case MM_PROBE_SWIGLU: return "the same with an L1 epilogue (SwiGLU, FP8 requant)";
+    case MM_PROBE_RECORDS: return "SS 128x128, clusters, mode 1 records decoded in the kernel";
+    case MM_PROBE_RECORDS_SWIGLU: return "SS 64x256, clusters, mode 1 records, L1 epilogue";
     default: return "?";
   }
 }
@@ -438,11 +568,13 @@ extern "C" mm_err *mm_probe_gemm(const mm_probe_problem *p, mm_probe_variant v, 
   MM_ARG_CHECK(p, "probe: no problem");
   cudaStream_t st = (cudaStream_t)stream;
   switch (v) {
-    case MM_PROBE_SS: return launch<false, false, false>(*p, st);
-    case MM_PROBE_SS_MCAST: return launch<false, true, false>(*p, st);
-    case MM_PROBE_SS_DECODE: return launch<false, true, true>(*p, st);
-    case MM_PROBE_SPLITN_DECODE: return launch<true, true, true>(*p, st);
-    case MM_PROBE_SWIGLU: return launch<true, true, true, true>(*p, st);
+    case MM_PROBE_SS: return launch<false, false, 0>(*p, st);
+    case MM_PROBE_SS_MCAST: return launch<false, true, 0>(*p, st);
+    case MM_PROBE_SS_DECODE: return launch<false, true, 1>(*p, st);
+    case MM_PROBE_SPLITN_DECODE: return launch<true, true, 1>(*p, st);
+    case MM_PROBE_SWIGLU: return launch<true, true, 1, true>(*p, st);
+    case MM_PROBE_RECORDS: return launch<false, true, 2>(*p, st);
+    case MM_PROBE_RECORDS_SWIGLU: return launch<true, true, 2, true>(*p, st);
     default: return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "probe: variant %d", (int)v);
   }
 }
@@ -457,6 +589,21 @@ extern "C" mm_err *mm_probe_decode(const uint8_t *codes, const uint8_t *scales, 
 
 extern "C" mm_err *mm_probe_fill_e4m3(uint8_t *p, size_t n, uint32_t seed, void *stream) {
   fill_e4m3_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+extern "C" mm_err *mm_probe_fill_records(uint8_t *p, size_t n, uint32_t seed, void *stream) {
+  MM_ARG_CHECK(n % 4480 == 0, "probe: whole records");
+  fill_records_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
+  MM_CUDA_TRY(cudaGetLastError());
+  return NULL;
+}
+
+extern "C" mm_err *mm_probe_decode_records(const uint8_t *records, const uint8_t *lut, uint8_t *w,
+                                           size_t rows, int K, void *stream) {
+  MM_ARG_CHECK(rows % 64 == 0 && K % 128 == 0, "probe: whole records");
+  records_reference_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(records, lut, w, rows, K);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;
 }

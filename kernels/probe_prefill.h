@@ -3,9 +3,10 @@
  * one grouped FP8 GEMM with the tokens as the WGMMA A operand and E4M3
  * weights as B, both tensor-copied K-major with 128B swizzle (SS WGMMAs),
  * promoted per 128-wide K block with the token's FP32 scale, BF16 out
- * through staged tensor stores. Not a product path: no fused SwiGLU or
- * requant, the probe's own FP4 code format, every expert holding Me rows.
- * Needs sm_90a. */
+ * through staged tensor stores or an L1-like epilogue; the weights E4M3, or
+ * decoded inside the kernel from the probe's own FP4 format or from mode 1's
+ * records. Not a product path: no clamp, row weights, row factors or out-row
+ * map, random data, every expert holding Me rows. Needs sm_90a. */
 #ifndef MM_PROBE_PREFILL_H
 #define MM_PROBE_PREFILL_H
 
@@ -21,6 +22,8 @@ typedef enum {
   MM_PROBE_SPLITN_DECODE, /* the same with 64 x 256 tiles (each warpgroup one B half) */
   MM_PROBE_SWIGLU,        /* that with an L1 epilogue: columns 2i, 2i + 1 gate and up i,
                              BF16-rounded, silu(gate) * up, FP8 per token per 128 outputs */
+  MM_PROBE_RECORDS,       /* SS_DECODE with mode 1's records (docs/LAYOUTS.md) as the source */
+  MM_PROBE_RECORDS_SWIGLU, /* SWIGLU with mode 1's records as the source */
   MM_PROBE_VARIANTS
 } mm_probe_variant;
 
@@ -33,6 +36,8 @@ typedef struct {
   const uint8_t *codes;     /* [E N][K / 2] FP4 codes (decode variants: 16 bytes per
                                32 weights, mm_probe_decode's format) */
   const uint8_t *scales;    /* [E N][K / 32] one exponent byte per 32 weights */
+  const uint8_t *records;   /* record variants: [E N / 64][K / 128] mode 1 records, references 0 */
+  const uint8_t *lut;       /* and the compact fold table: 256 bytes, entry (k, 0) at 8 (k + 16) */
   uint8_t *wdec;            /* [E N][K] E4M3 the in-kernel decode writes */
   int *ready;               /* [E] decode progress counters (zeroed per call here) */
   uint16_t *out;            /* [E Me][N] BF16 */
@@ -49,6 +54,12 @@ mm_err *mm_probe_decode(const uint8_t *codes, const uint8_t *scales, uint8_t *w,
 /* Finite E4M3 bytes (|v| in 2^-3..2^4), and scales in [5e-4, 1.5e-3). */
 mm_err *mm_probe_fill_e4m3(uint8_t *p, size_t n, uint32_t seed, void *stream);
 mm_err *mm_probe_fill_scales(float *p, size_t n, uint32_t seed, void *stream);
+/* n bytes of random mode 1 records (fold-table entries (k, 0), k in [-6, 2];
+ * references 0), and their weights decoded one by one from the layout's
+ * formulas (rows x K, E4M3). */
+mm_err *mm_probe_fill_records(uint8_t *p, size_t n, uint32_t seed, void *stream);
+mm_err *mm_probe_decode_records(const uint8_t *records, const uint8_t *lut, uint8_t *w, size_t rows,
+                                int K, void *stream);
 /* FP32 reference of every stride-th output row (ref [rows][N]) from E4M3 weights w. */
 mm_err *mm_probe_reference(const mm_probe_problem *p, const uint8_t *w, int stride, float *ref,
                            void *stream);
