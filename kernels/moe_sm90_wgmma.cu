@@ -258,6 +258,7 @@ struct Params {
 };
 
 /* ------------------------------------------------------------ PTX bits ---- */
+/* (the ones the sm90 kernels share are in sm90_ptx.h) */
 
 /* The consumer warpgroups' turn barriers (Kern::kTurn = 2, 3) with the id
  * as an immediate, for the FP8 mixed kernels' 64-wide tiles: beside the

@@ -97,7 +97,8 @@ __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
-/* K-major, 128B-swizzled B tile: 8-row atoms 1024 bytes apart. */
+/* A K-major, 128B-swizzled operand tile in shared memory (the WGMMA kernels'
+ * token tiles, both of the probe's operands): 8-row atoms 1024 bytes apart. */
 __device__ __forceinline__ uint64_t desc_b(uint32_t saddr) {
   return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(16 >> 4) << 16) |
          ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
