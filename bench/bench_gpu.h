@@ -19,6 +19,7 @@
       exit(1);                                                                         \
     }                                                                                  \
   } while (0)
+/* cuBLASLt calls: a failure returns -1 (no algorithm) from the caller */
 #define CKL(x)                                                                         \
   do {                                                                                 \
     cublasStatus_t s_ = (x);                                                           \
