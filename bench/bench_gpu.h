@@ -1,7 +1,7 @@
 /* bench_gpu.h -- shared by the GPU bench programs (kernels/bench_*.c):
  * checked CUDA calls, the warm-up clock, medians, and a cuBLASLt dense GEMM
- * timed as the same-run baseline. Static functions: each program includes it
- * once. */
+ * timed as the same-run baseline, and the timing of an operation. Static
+ * inline functions: each program includes it once and uses what it needs. */
 #ifndef MM_BENCH_GPU_H
 #define MM_BENCH_GPU_H
 
@@ -31,24 +31,24 @@
 
 /* --warmup-ms: how long each measurement runs its operation before timing */
 static double g_warmup_ms = 0.0;
-static double now_ms(void) {
+static inline double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 /* True while the warm-up that started at t0 lasts; waits for the stream, so
  * that the time counted is the device's. */
-static int warming(double t0, cudaStream_t st) {
+static inline int warming(double t0, cudaStream_t st) {
   if (g_warmup_ms <= 0.0) return 0;
   CK(cudaStreamSynchronize(st));
   return now_ms() - t0 < g_warmup_ms;
 }
 
-static int cmp_f(const void *a, const void *b) {
+static inline int cmp_f(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
   return x < y ? -1 : x > y;
 }
-static float median(float *v, int n) {
+static inline float median(float *v, int n) {
   qsort(v, (size_t)n, sizeof(float), cmp_f);
   return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
 }
@@ -63,7 +63,7 @@ typedef struct {
 
 /* D[m, n] (col-major, BF16) = A^T B with A [k, m], B [k, n] (TN), type ab.
  * Returns the median ms of `iters` runs, or < 0 when unsupported. */
-static double lt_time(lt_ctx *c, int m, int n, int k, cudaDataType_t ab, const void *A,
+static inline double lt_time(lt_ctx *c, int m, int n, int k, cudaDataType_t ab, const void *A,
                       const void *B, void *D, int iters, cudaStream_t st) {
   cublasLtMatmulDesc_t op = NULL;
   cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
@@ -107,6 +107,32 @@ static double lt_time(lt_ctx *c, int m, int n, int k, cudaDataType_t ab, const v
   cublasLtMatrixLayoutDestroy(lb);
   cublasLtMatrixLayoutDestroy(ld);
   cublasLtMatmulDescDestroy(op);
+  return ms;
+}
+
+/* One operation a benchmark times: runs its work on the stream. */
+typedef void (*bench_op)(void *ctx, cudaStream_t st);
+
+/* Median ms of `iters` CUDA-event-timed runs of op(ctx), after three runs
+ * and the --warmup-ms warm-up. */
+static inline double time_op(bench_op op, void *ctx, int iters, cudaStream_t st) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++) op(ctx, st);
+  for (const double t0 = now_ms(); warming(t0, st);) op(ctx, st);
+  float *t = malloc(sizeof(float) * (size_t)iters);
+  for (int i = 0; i < iters; i++) {
+    CK(cudaEventRecord(e0, st));
+    op(ctx, st);
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&t[i], e0, e1));
+  }
+  const double ms = median(t, iters);
+  free(t);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   return ms;
 }
 

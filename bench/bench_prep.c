@@ -17,46 +17,8 @@
 #include "parallel.h"
 #include "prep.h"
 #include "requant.h"
+#include "bench_gpu.h" /* CK, time_op */
 #include "bench_util.h"
-
-#define CU(call)                                                                     \
-  do {                                                                               \
-    cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) {                                                         \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(1);                                                                       \
-    }                                                                                \
-  } while (0)
-
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return x < y ? -1 : x > y;
-}
-
-typedef void (*step_fn)(void *ctx, cudaStream_t st);
-
-/* Median milliseconds of `reps` timed runs after 3 warm-up runs. */
-static float time_ms(step_fn fn, void *ctx, cudaStream_t st, int reps) {
-  cudaEvent_t a, b;
-  CU(cudaEventCreate(&a));
-  CU(cudaEventCreate(&b));
-  for (int i = 0; i < 3; i++) fn(ctx, st);
-  CU(cudaStreamSynchronize(st));
-  float *t = malloc(sizeof(float) * (size_t)reps);
-  for (int i = 0; i < reps; i++) {
-    CU(cudaEventRecord(a, st));
-    fn(ctx, st);
-    CU(cudaEventRecord(b, st));
-    CU(cudaEventSynchronize(b));
-    CU(cudaEventElapsedTime(&t[i], a, b));
-  }
-  qsort(t, (size_t)reps, sizeof(float), cmp_float);
-  float m = t[reps / 2];
-  free(t);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return m;
-}
 
 typedef struct {
   int E, H, I;
@@ -75,7 +37,7 @@ typedef struct {
 
 static void step_copy(void *p, cudaStream_t st) {
   layer_bufs *L = p;
-  CU(cudaMemcpyAsync(L->copy_dst, L->copy_src, L->src_bytes, cudaMemcpyDeviceToDevice, st));
+  CK(cudaMemcpyAsync(L->copy_dst, L->copy_src, L->src_bytes, cudaMemcpyDeviceToDevice, st));
 }
 
 static void requant_both(layer_bufs *L, cudaStream_t st, int stats) {
@@ -101,10 +63,10 @@ static void step_canonical(void *p, cudaStream_t st) {
   size_t n13 = (size_t)L->E * 2 * L->I * L->H, n2 = (size_t)L->E * L->H * L->I;
   OK(mm_gpu_scan_scales_launch(L->s13, n13 / 16, MM_SF_E4M3, L->status, st));
   OK(mm_gpu_scan_scales_launch(L->s2, n2 / 16, MM_SF_E4M3, L->status, st));
-  CU(cudaMemcpyAsync(L->o_c13, L->c13, n13 / 2, cudaMemcpyDeviceToDevice, st));
-  CU(cudaMemcpyAsync(L->o_s13, L->s13, n13 / 16, cudaMemcpyDeviceToDevice, st));
-  CU(cudaMemcpyAsync(L->o_c2, L->c2, n2 / 2, cudaMemcpyDeviceToDevice, st));
-  CU(cudaMemcpyAsync(L->o_s2, L->s2, n2 / 16, cudaMemcpyDeviceToDevice, st));
+  CK(cudaMemcpyAsync(L->o_c13, L->c13, n13 / 2, cudaMemcpyDeviceToDevice, st));
+  CK(cudaMemcpyAsync(L->o_s13, L->s13, n13 / 16, cudaMemcpyDeviceToDevice, st));
+  CK(cudaMemcpyAsync(L->o_c2, L->c2, n2 / 2, cudaMemcpyDeviceToDevice, st));
+  CK(cudaMemcpyAsync(L->o_s2, L->s2, n2 / 16, cudaMemcpyDeviceToDevice, st));
 }
 
 /* sm100 export of the requantized (group-32) layer. */
@@ -122,7 +84,7 @@ static void step_requant_sm100(void *p, cudaStream_t st) {
 
 static void *dmalloc(size_t n) {
   void *d;
-  CU(cudaMalloc(&d, n));
+  CK(cudaMalloc(&d, n));
   return d;
 }
 
@@ -135,7 +97,7 @@ static void fill_random(uint8_t *d, size_t n, int e4m3_scales, uint64_t seed) {
     if (e4m3_scales) b = (uint8_t)(0x20 + (b % 0x40)); /* finite, positive */
     h[i] = b;
   }
-  CU(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
   free(h);
 }
 
@@ -153,7 +115,7 @@ int main(int argc, char **argv) {
     return 77;
   }
   struct cudaDeviceProp prop;
-  CU(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaGetDeviceProperties(&prop, 0));
   layer_bufs L;
   memset(&L, 0, sizeof L);
   L.E = E, L.H = H, L.I = I;
@@ -172,17 +134,17 @@ int main(int argc, char **argv) {
   fill_random(L.c2, n2 / 2, 0, 3), fill_random(L.s2, n2 / 16, 1, 4);
   float *hrs = malloc(sizeof(float) * (size_t)E * (size_t)(2 * I > H ? 2 * I : H));
   for (size_t r = 0; r < (size_t)E * 2 * I; r++) hrs[r] = r % (2 * (size_t)I) < (size_t)I ? 0.002f : 0.003f;
-  CU(cudaMemcpy(L.rs13, hrs, sizeof(float) * (size_t)E * 2 * I, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(L.rs13, hrs, sizeof(float) * (size_t)E * 2 * I, cudaMemcpyHostToDevice));
   for (size_t r = 0; r < (size_t)E * H; r++) hrs[r] = 0.0025f;
-  CU(cudaMemcpy(L.rs2, hrs, sizeof(float) * (size_t)E * H, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(L.rs2, hrs, sizeof(float) * (size_t)E * H, cudaMemcpyHostToDevice));
   uint32_t ok = MM_GPU_STATUS_OK;
-  CU(cudaMemcpy(L.status, &ok, 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(L.status, &ok, 4, cudaMemcpyHostToDevice));
   cudaStream_t st;
-  CU(cudaStreamCreate(&st));
+  CK(cudaStreamCreate(&st));
 
   struct {
     const char *name;
-    step_fn fn;
+    bench_op fn;
   } steps[] = {{"d2d copy (ceiling)", step_copy},
                {"requant g16->g32 + stats", step_requant_stats},
                {"requant g16->g32, no stats", step_requant_nostats},
@@ -192,11 +154,11 @@ int main(int argc, char **argv) {
                {"requant + sm100 export", step_requant_sm100}};
   int nsteps = (int)(sizeof steps / sizeof steps[0]);
   float ms[8];
-  for (int k = 0; k < nsteps; k++) ms[k] = time_ms(steps[k].fn, &L, st, reps);
+  for (int k = 0; k < nsteps; k++) ms[k] = (float)time_op(steps[k].fn, &L, reps, st);
   step_requant_stats(&L, st); /* the outputs checked below come from the default kernel */
-  CU(cudaStreamSynchronize(st));
+  CK(cudaStreamSynchronize(st));
   uint32_t status;
-  CU(cudaMemcpy(&status, L.status, 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&status, L.status, 4, cudaMemcpyDeviceToHost));
   if (status != MM_GPU_STATUS_OK) fprintf(stderr, "bench_prep: unexpected non-finite data\n");
 
   /* Spot check: one expert's down projection against the CPU path. */
@@ -204,10 +166,10 @@ int main(int argc, char **argv) {
   uint8_t *hc = malloc(e_rows * (size_t)I / 2), *hs = malloc(e_rows * (size_t)I / 16);
   uint8_t *gc = malloc(e_rows * (size_t)I / 2), *gs = malloc(e_rows * (size_t)I / 32);
   uint8_t *cc = malloc(e_rows * (size_t)I / 2), *cs = malloc(e_rows * (size_t)I / 32);
-  CU(cudaMemcpy(hc, L.c2 + off * (size_t)I / 2, e_rows * (size_t)I / 2, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(hs, L.s2 + off * (size_t)I / 16, e_rows * (size_t)I / 16, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(gc, L.o_c2 + off * (size_t)I / 2, e_rows * (size_t)I / 2, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(gs, L.o_s2 + off * (size_t)I / 32, e_rows * (size_t)I / 32, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hc, L.c2 + off * (size_t)I / 2, e_rows * (size_t)I / 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hs, L.s2 + off * (size_t)I / 16, e_rows * (size_t)I / 16, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gc, L.o_c2 + off * (size_t)I / 2, e_rows * (size_t)I / 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(gs, L.o_s2 + off * (size_t)I / 32, e_rows * (size_t)I / 32, cudaMemcpyDeviceToHost));
   mm_g16_source src = {(int)e_rows, I, MM_SF_E4M3, hc, hs, hrs};
   mm_requant_stats cst;
   struct timespec t0, t1;

@@ -33,29 +33,6 @@ static float bf16_to_float(uint16_t v) {
   return f;
 }
 
-/* Median ms of `iters` runs of op(ctx) on the stream, after three runs and
- * the --warmup-ms warm-up. */
-static double time_op(void (*op)(void *, cudaStream_t), void *ctx, int iters, cudaStream_t st) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++) op(ctx, st);
-  for (const double t0 = now_ms(); warming(t0, st);) op(ctx, st);
-  float *t = malloc(sizeof(float) * (size_t)iters);
-  for (int i = 0; i < iters; i++) {
-    CK(cudaEventRecord(e0, st));
-    op(ctx, st);
-    CK(cudaEventRecord(e1, st));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(&t[i], e0, e1));
-  }
-  const double ms = median(t, iters);
-  free(t);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return ms;
-}
-
 typedef struct {
   const mm_probe_problem *p;
   mm_probe_variant v;
