@@ -66,14 +66,16 @@ struct Probe {
   static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
   static constexpr int kStage = kA + kB + kS;
   static constexpr int kStg = 2 * 16384; /* per consumer: 64 rows x 128 BF16 columns */
-  /* mode 1's records: two 64 x 128 E4M3 tiles the decoders fill and store */
-  static constexpr int kDecStg = kDecode == 2 ? 2 * 8192 : 0;
+  /* mode 1's records: two 32 x 128 E4M3 tiles per decoder warp, which it
+   * fills and stores */
+  static constexpr int kDecStg = kDecode == 2 ? 3 * 8192 : 0;
   static constexpr int kStages0 = (232448 - 2048 - 256 - kStg - kDecStg) / kStage;
   static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
   static constexpr int kOffStg = kStages * kStage;
-  static constexpr int kOffLut = kOffStg + kStg; /* mode 1's compact fold table, 256 bytes */
-  static constexpr int kOffDec = kOffLut + 256;
-  static constexpr int kBytes = kOffDec + kDecStg + 1024 + 256;
+  static constexpr int kOffDec = kOffStg + kStg; /* 1024-aligned: 128B-swizzled tiles */
+  static constexpr int kOffLut = kOffDec + kDecStg; /* mode 1's compact fold table, 256 bytes */
+  static constexpr int kOffBar = kOffLut + 256;
+  static constexpr int kBytes = kOffBar + 256 + 1024;
   static constexpr int kDecodeRows = 16; /* rows per decode task (the probe's format) */
 };
 
@@ -174,7 +176,7 @@ __device__ void swiglu_epilogue(const mm_probe_problem &p, const float (&fin)[64
  * and 32s + 16 + 4q .. + 3 (its high half), decoded through the compact
  * fold-table entry at the row's scale byte for group s (the same two byte
  * permutes as the current kernels' A registers). The slot's bytes go to a
- * 64 x 128 tile in shared memory (4-byte pieces of 8 rows: written to the
+ * 32 x 128 tile in shared memory (4-byte pieces of 8 rows: written to the
  * workspace directly they took a third more time than the GEMM). */
 /* One slot's inputs: its 8 code words and its two rows' scale bytes. */
 struct RecSlot {
@@ -189,7 +191,7 @@ __device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecS
   r.sb[1] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g + 8))) & 0xF8F8F8F8u;
 }
 __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
-                                                   uint8_t *tile) {
+                                                   uint8_t *tile, int row_base) {
   const int w = T / 32, g = (T % 32) / 4, q = T % 4;
   const uint32_t words[8] = {r.c0.x, r.c0.y, r.c0.z, r.c0.w, r.c1.x, r.c1.y, r.c1.z, r.c1.w};
 #pragma unroll
@@ -199,55 +201,66 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
     uint32_t tx, ty, lo, hi;
     asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tx), "=r"(ty) : "r"(a));
     probe_dec8(words[u], tx, ty, lo, hi);
-    const uint32_t at = smem_u32(tile + (16 * w + g + 8 * rr) * 128 + 32 * s + 4 * q);
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(lo) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 16), "r"(hi) : "memory");
+    /* 128B swizzle (16-byte chunk ^ row % 8, row % 8 = g): the 8 rows of a
+     * warp's store land in 8 chunks, not all in one bank quarter */
+    const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128) + 4 * q;
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s) ^ g) << 4)), "r"(lo) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s + 1) ^ g) << 4)), "r"(hi) : "memory");
   }
 }
 /* Tasks of up to 16 records (one 64-row tile, 16 K blocks), dealt over the
- * CTAs in expert order. Per record the 96 decoder threads fill one of two
- * shared tiles and thread 0 of them stores it with one tensor copy; at the
- * task's end it waits for its stores and counts the task in ready[expert]. */
+ * CTAs in expert order. Each decoder warp works alone on half-records (32
+ * rows: slots 64h .. 64h + 63, two per thread), units j, j + 3, ... of a
+ * task for warp j, into its own two 32 x 128 shared tiles, which its lane 0
+ * stores with one tensor copy each; the next unit's loads are in flight
+ * during a unit's decode. At the task's end each warp waits for its stores
+ * and counts itself in ready[expert] (three per task). Before, the three
+ * warps shared each whole record, 128 slots for 96 threads: one warp did two
+ * slots while the others waited at the record's barrier (docs/PERF.md,
+ * version 21). */
 __device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw, int d,
                                const uint8_t *lut, uint8_t *dec) {
   const int KB = p.K / 128, groups = (KB + 15) / 16, per_expert = p.N / 64 * groups;
+  const int wj = d / 32, lane = d % 32;
+  uint8_t *mine = dec + wj * 8192;
   int n = 0;
   for (int t = blockIdx.x; t < p.E * per_expert; t += gridDim.x) {
-    const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
+    const int tile = t / groups, kb0 = 16 * (t % groups), units = 2 * (min(KB, kb0 + 16) - kb0);
+    const uint8_t *base = p.records + ((size_t)tile * KB + kb0) * 4480;
     RecSlot cur[2];
-    load_record_slot(p.records + ((size_t)tile * KB + kb0) * 4480, d, cur[0]);
-    if (d < 32) load_record_slot(p.records + ((size_t)tile * KB + kb0) * 4480, d + 96, cur[1]);
-    for (int kb = kb0; kb < kb1; kb++, n++) {
-      uint8_t *buf = dec + (n & 1) * 8192;
-      if (d == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      named_sync(4, 96); /* buf's store, two records ago, has read it */
-      /* this record's inputs were loaded one record ago; the next one's
-       * loads go out now, so their latency passes under this decode */
+    if (wj < units) {
+      load_record_slot(base + (wj / 2) * 4480, 64 * (wj % 2) + lane, cur[0]);
+      load_record_slot(base + (wj / 2) * 4480, 64 * (wj % 2) + lane + 32, cur[1]);
+    }
+    for (int un = wj; un < units; un += 3, n++) {
+      const int h = un % 2, kb = kb0 + un / 2;
+      uint8_t *buf = mine + (n & 1) * 4096;
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      __syncwarp(); /* buf's store, two units ago, has read it */
       const RecSlot a0 = cur[0], a1 = cur[1];
-      if (kb + 1 < kb1) {
-        const uint8_t *nrec = p.records + ((size_t)tile * KB + kb + 1) * 4480;
-        load_record_slot(nrec, d, cur[0]);
-        if (d < 32) load_record_slot(nrec, d + 96, cur[1]);
+      if (un + 3 < units) {
+        const uint8_t *nrec = base + ((un + 3) / 2) * 4480;
+        load_record_slot(nrec, 64 * ((un + 3) % 2) + lane, cur[0]);
+        load_record_slot(nrec, 64 * ((un + 3) % 2) + lane + 32, cur[1]);
       }
-      decode_record_slot(a0, d, lut, buf);
-      if (d < 32) decode_record_slot(a1, d + 96, lut, buf);
+      decode_record_slot(a0, 64 * h + lane, lut, buf, 32 * h);
+      decode_record_slot(a1, 64 * h + lane + 32, lut, buf, 32 * h);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      named_sync(4, 96);
-      if (d == 0) {
+      __syncwarp();
+      if (lane == 0) {
         asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                          (uint64_t)tw),
-                     "r"(128 * kb), "r"(64 * tile), "r"(smem_u32(buf))
+                     "r"(128 * kb), "r"(64 * tile + 32 * h), "r"(smem_u32(buf))
                      : "memory");
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       }
     }
-    if (d == 0) {
+    if (lane == 0) {
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
       __threadfence();
       atomicAdd(&p.ready[t / per_expert], 1);
     }
   }
-  if (d == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 template <bool kSplitN, bool kCluster, int kDecode, bool kSwiGLU = false>
@@ -258,7 +271,7 @@ __global__ void __launch_bounds__(384, 1)
   using G = Probe<kSplitN, kCluster, kDecode, kSwiGLU>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  uint64_t *full = (uint64_t *)(sm + G::kOffDec + G::kDecStg), *empty = full + G::kStages;
+  uint64_t *full = (uint64_t *)(sm + G::kOffBar), *empty = full + G::kStages;
   const int wg = threadIdx.x / 128, KB = p.K / 128, MT = p.Me / G::BM, NT = p.N / G::BN;
   uint32_t crank = 0;
   if (kCluster) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
@@ -298,7 +311,7 @@ __global__ void __launch_bounds__(384, 1)
         int e, mt, nt;
         unit_of(u, e, mt, nt);
         if (kDecode && e != e_ready) { /* the expert's weights, decoded by every CTA */
-          const int want = kDecode == 2 ? p.N / 64 * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
+          const int want = kDecode == 2 ? 3 * (p.N / 64) * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
           for (;;) {
             int v;
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + e) : "memory");
@@ -442,9 +455,9 @@ mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
   MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, kDecode ? p.wdec : p.w, p.K,
                   (uint64_t)p.E * p.N, p.K, 128, kCluster ? G::BN / 2 : G::BN, true));
   MM_TRY(make_map(&to, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.out, p.N, rows, 2ull * p.N, 64, 64, true));
-  tw = tb; /* the record decode's stores: 64 x 128 tiles of the workspace */
+  tw = tb; /* the record decode's stores: 32 x 128 tiles of the workspace */
   if (kDecode == 2)
-    MM_TRY(make_map(&tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.wdec, p.K, (uint64_t)p.E * p.N, p.K, 128, 64, false));
+    MM_TRY(make_map(&tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.wdec, p.K, (uint64_t)p.E * p.N, p.K, 128, 32, true));
   MM_ARG_CHECK(!kSwiGLU || (p.act && p.act_s), "probe: the SwiGLU variant writes act and act_s");
   MM_ARG_CHECK(kDecode != 2 || (p.records && p.lut), "probe: the record variants read records and lut");
   auto kern = probe_kernel<kSplitN, kCluster, kDecode, kSwiGLU>;
