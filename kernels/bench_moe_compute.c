@@ -11,7 +11,7 @@
  * against FP8 and bf16-exact against BF16.
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
- *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt]
+ *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt|prefill|auto]
  *     [--profile-only] [--block-refs] [--loads uniform,skewed,random] [--out-rows]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
@@ -94,7 +94,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--out-rows")) out_rows = 1;
-    else if (!strcmp(a, "--path")) path = !strcmp(v, "simt") ? MM_SM90_PATH_SIMT : MM_SM90_PATH_WGMMA, i++;
+    else if (!strcmp(a, "--path"))
+      path = !strcmp(v, "simt")      ? MM_SM90_PATH_SIMT
+             : !strcmp(v, "prefill") ? MM_SM90_PATH_PREFILL
+             : !strcmp(v, "auto")    ? MM_SM90_PATH_AUTO
+                                     : MM_SM90_PATH_WGMMA,
+      i++;
     else if (!strcmp(a, "--loads")) {
       loads[0] = loads[1] = loads[2] = 0;
       for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {

@@ -86,7 +86,9 @@ mm_err *mm_sm90_expert_compute(const mm_sm90_layer *layer,
 typedef enum {
   MM_SM90_PATH_AUTO = 0,  /* WGMMA where the shape allows, else CUDA cores */
   MM_SM90_PATH_SIMT = 1,  /* plain CUDA-core kernels (debug reference) */
-  MM_SM90_PATH_WGMMA = 2  /* WGMMA only; error if the shape is unsupported */
+  MM_SM90_PATH_WGMMA = 2, /* WGMMA only; error if the shape is unsupported */
+  MM_SM90_PATH_PREFILL = 3 /* mode 1's prefill path only (moe_sm90_prefill.cu); error
+                              if the layer or the workspace has no place for it */
 } mm_sm90_path;
 
 mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *layer, const mm_expert_pool *pool,

@@ -223,6 +223,15 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
   w.act = b ? b + pl.act : NULL;
   w.as_t = b ? (float *)(b + pl.as_t) : NULL;
   w.bytes = pl.bytes;
+  if (mm_sm90_prefill_planned(L, num_rows_max)) {
+    /* the prefill path's weights (the larger matrix of up to a chunk of
+     * experts) and decode counts, after the plan's arrays */
+    const size_t ec = L->E < MM_SM90_PREFILL_CHUNK ? L->E : MM_SM90_PREFILL_CHUNK;
+    const size_t wdec = w.bytes, count = mm_sm90_align256(wdec + ec * 2 * L->I * (size_t)L->H);
+    w.wdec = b ? b + wdec : NULL;
+    w.pf_count = b ? (int *)(b + count) : NULL;
+    w.bytes = mm_sm90_align256(count + mm_sm90_prefill_count_bytes(L->E));
+  }
   return w;
 }
 
@@ -231,6 +240,27 @@ extern "C" size_t mm_sm90_workspace_bytes(const mm_sm90_layer *L, int num_rows_m
 }
 
 /* ------------------------------------------------------------- dispatch ---- */
+
+int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max) {
+  if (mm_sm90_prefill_unsupported(L)) return 0;
+  const char *v = getenv("MEGAMOE_SM90_PREFILL");
+  if (v && v[0] == '0') return 0;
+  if (v && v[0] == '1') return 1;
+  return num_rows_max >= MM_SM90_PREFILL_MIN_ROWS * L->E;
+}
+
+/* AUTO: the prefill path where the workspace holds its region and the pool
+ * averages MM_SM90_PREFILL_MIN_ROWS rows per expert or more (the rows
+ * hint, else the capacity); MEGAMOE_SM90_PREFILL=1 whenever it can, 0
+ * never. */
+static int prefill_chosen(const mm_sm90_layer *L, const mm_expert_pool *pool,
+                          const mm_sm90_ws *ws) {
+  if (!ws->wdec) return 0;
+  const char *v = getenv("MEGAMOE_SM90_PREFILL");
+  if (v && v[0] == '1') return 1;
+  const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
+  return rows >= MM_SM90_PREFILL_MIN_ROWS * L->E;
+}
 
 extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_expert_pool *pool,
                                                float clamp, void *workspace,
@@ -251,7 +281,14 @@ extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_
   const char *why = mm_sm90_wgmma_unsupported(L);
   if (path == MM_SM90_PATH_WGMMA && why)
     return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 expert compute: WGMMA path: %s", why);
+  if (path == MM_SM90_PATH_PREFILL) {
+    const char *pf = mm_sm90_prefill_unsupported(L);
+    if (pf) return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 expert compute: prefill path: %s", pf);
+    return mm_sm90_run_prefill(L, pool, clamp, &ws, st);
+  }
   if (path == MM_SM90_PATH_SIMT || why) return mm_sm90_run_simt(L, pool, clamp, &ws, st);
+  if (path == MM_SM90_PATH_AUTO && prefill_chosen(L, pool, &ws))
+    return mm_sm90_run_prefill(L, pool, clamp, &ws, st);
   return mm_sm90_run_wgmma(L, pool, clamp, &ws, st);
 }
 

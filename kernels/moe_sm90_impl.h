@@ -36,8 +36,25 @@ struct mm_sm90_ws {
   float *xs_t;     /* [H/128][Mp] token scales, transposed */
   uint8_t *act;    /* [Mp][I] FP8 (modes 1/3) or F16 (modes 2/4) intermediate */
   float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
+  /* The prefill path's (moe_sm90_prefill.cu), where planned
+   * (mm_sm90_prefill_planned), else NULL: */
+  uint8_t *wdec;   /* E4M3 weights of up to MM_SM90_PREFILL_CHUNK experts,
+                      [chunk][2I][H] (L1) or [chunk][H][I] (L2) */
+  int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes) */
   size_t bytes;
 };
+
+/* The prefill path: experts per launch pair (its weight workspace holds
+ * theirs), and the average rows per expert from which it runs (AUTO) and
+ * from which a plan holds its workspace (docs/PERF.md, version 21). */
+#define MM_SM90_PREFILL_CHUNK 32
+#define MM_SM90_PREFILL_MIN_ROWS 768
+/* Per launch (two per chunk): a finished-task count per expert and a
+ * claim counter. */
+static inline size_t mm_sm90_prefill_count_bytes(int E) {
+  const int chunks = (E + MM_SM90_PREFILL_CHUNK - 1) / MM_SM90_PREFILL_CHUNK;
+  return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 1);
+}
 
 mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base);
 
@@ -57,5 +74,20 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
                           const mm_sm90_ws *ws, cudaStream_t stream);
 /* NULL if the WGMMA path supports L's shape, else why not. */
 const char *mm_sm90_wgmma_unsupported(const mm_sm90_layer *L);
+/* The token scales transposed into ws->xs_t (the WGMMA path's prep kernel,
+ * scales only). */
+mm_err *mm_sm90_prep_token_scales(const mm_sm90_layer *L, const mm_expert_pool *pool,
+                                  const mm_sm90_ws *ws, cudaStream_t stream);
+/* The L1 epilogue's silu table on the current device (NULL if unknown). */
+const float *mm_sm90_silu_table(void);
+
+/* Prefill path (moe_sm90_prefill.cu): NULL if it supports L, else why not. */
+const char *mm_sm90_prefill_unsupported(const mm_sm90_layer *L);
+/* Whether a workspace for num_rows_max rows holds the prefill path's
+ * region: L supported, and num_rows_max at least MM_SM90_PREFILL_MIN_ROWS
+ * per expert or MEGAMOE_SM90_PREFILL=1 (docs/CONFIG.md). */
+int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max);
+mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                            const mm_sm90_ws *ws, cudaStream_t stream);
 
 #endif

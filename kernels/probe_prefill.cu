@@ -12,6 +12,7 @@
 
 #include "moe_sm90_impl.h"
 #include "sm90_ptx.h"
+#include "sm90_record_decode.h"
 
 extern "C" {
 #include "probe_prefill.h"
@@ -23,36 +24,23 @@ namespace {
  * bits 0-2 of each) with their signs at bits 8i + 7, bytes 4-7 from nibbles
  * 4-7 with their signs at bits 8i + 3; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}
  * times 2^d through one byte permute per 4 weights, d from the group's
- * exponent byte (0-3: every value stays a normal E4M3). The same 7
- * instructions per 8 weights as the product's mode 1 decode. */
+ * exponent byte (0-3: every value stays a normal E4M3), through mode 1's
+ * word decode (rec_dec8: the same 7 instructions per 8 weights) with a
+ * computed table entry instead of a shared one. */
 __device__ __forceinline__ void probe_table(uint32_t d, uint32_t &tx, uint32_t &ty) {
   tx = 0x3C383000u + 8u * d * 0x01010100u;
   ty = 0x4C484440u + 8u * d * 0x01010101u;
-}
-__device__ __forceinline__ void probe_dec8(uint32_t w, uint32_t tx, uint32_t ty, uint32_t &lo,
-                                           uint32_t &hi) {
-  const uint32_t sel = w & 0x77777777u;
-  lo = prmt(tx, ty, sel) | (w & 0x80808080u);
-  hi = prmt(tx, ty, sel >> 16) | ((w << 4) & 0x80808080u);
 }
 /* 32 weights: 16 code bytes and their exponent byte -> 32 E4M3 bytes. */
 __device__ __forceinline__ void probe_dec32(uint4 c, uint32_t sb, uint4 *out) {
   uint32_t tx, ty, o[8];
   probe_table(sb & 3u, tx, ty);
-  probe_dec8(c.x, tx, ty, o[0], o[1]);
-  probe_dec8(c.y, tx, ty, o[2], o[3]);
-  probe_dec8(c.z, tx, ty, o[4], o[5]);
-  probe_dec8(c.w, tx, ty, o[6], o[7]);
+  rec_dec8(c.x, tx, ty, o[0], o[1]);
+  rec_dec8(c.y, tx, ty, o[2], o[3]);
+  rec_dec8(c.z, tx, ty, o[4], o[5]);
+  rec_dec8(c.w, tx, ty, o[6], o[7]);
   out[0] = make_uint4(o[0], o[1], o[2], o[3]);
   out[1] = make_uint4(o[4], o[5], o[6], o[7]);
-}
-
-__device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" MM_D_128
-               "}, %64, %65, p, 1, 1;\n}\n"
-               : MM_ACC_128(d)
-               : "l"(da), "l"(db), "r"(scale_d));
 }
 
 /* kSplitN: 64 x 256 tiles, each warpgroup one 128-row half of B (else
@@ -79,9 +67,6 @@ struct Probe {
   static constexpr int kDecodeRows = 16; /* rows per decode task (the probe's format) */
 };
 
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
 
 /* The in-kernel decode, on the producer warpgroup's warps 1-3: tasks of 16
  * weight rows dealt over the CTAs in expert order, four 32-weight groups in
@@ -169,97 +154,23 @@ __device__ void swiglu_epilogue(const mm_probe_problem &p, const float (&fin)[64
    * amax barrier, so every thread has read it by then */
 }
 
-/* Mode 1's records (docs/LAYOUTS.md, "Codes", FP8 modes) into the workspace:
- * the record's thread slot T = 32w + 4g + q owns rows 16w + g and 16w + g + 8
- * and the words u = 0..7 at byte (u / 4) * 2048 + 16 T + 4 (u % 4); word
- * u = 2s + rr is row 16w + g + 8rr, columns 32s + 4q .. + 3 (its low half)
- * and 32s + 16 + 4q .. + 3 (its high half), decoded through the compact
- * fold-table entry at the row's scale byte for group s (the same two byte
- * permutes as the current kernels' A registers). The slot's bytes go to a
- * 32 x 128 tile in shared memory (4-byte pieces of 8 rows: written to the
- * workspace directly they took a third more time than the GEMM). */
-/* One slot's inputs: its 8 code words and its two rows' scale bytes. */
-struct RecSlot {
-  uint4 c0, c1;
-  uint32_t sb[2];
-};
-__device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecSlot &r) {
-  const int w = T / 32, g = (T % 32) / 4;
-  r.c0 = __ldcs((const uint4 *)(rec + 16 * T));
-  r.c1 = __ldcs((const uint4 *)(rec + 2048 + 16 * T));
-  r.sb[0] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g))) & 0xF8F8F8F8u;
-  r.sb[1] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g + 8))) & 0xF8F8F8F8u;
-}
-__device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
-                                                   uint8_t *tile, int row_base) {
-  const int w = T / 32, g = (T % 32) / 4, q = T % 4;
-  const uint32_t words[8] = {r.c0.x, r.c0.y, r.c0.z, r.c0.w, r.c1.x, r.c1.y, r.c1.z, r.c1.w};
-#pragma unroll
-  for (int u = 0; u < 8; u++) {
-    const int s = u / 2, rr = u % 2;
-    const uint32_t a = prmt(r.sb[rr], smem_u32(lut), 0x7650 | s); /* the entry's address */
-    uint32_t tx, ty, lo, hi;
-    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tx), "=r"(ty) : "r"(a));
-    probe_dec8(words[u], tx, ty, lo, hi);
-    /* 128B swizzle (16-byte chunk ^ row % 8, row % 8 = g): the 8 rows of a
-     * warp's store land in 8 chunks, not all in one bank quarter */
-    const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128) + 4 * q;
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s) ^ g) << 4)), "r"(lo) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s + 1) ^ g) << 4)), "r"(hi) : "memory");
-  }
-}
-/* Tasks of up to 16 records (one 64-row tile, 16 K blocks), dealt over the
- * CTAs in expert order. Each decoder warp works alone on half-records (32
- * rows: slots 64h .. 64h + 63, two per thread), units j, j + 3, ... of a
- * task for warp j, into its own two 32 x 128 shared tiles, which its lane 0
- * stores with one tensor copy each; the next unit's loads are in flight
- * during a unit's decode. At the task's end each warp waits for its stores
- * and counts itself in ready[expert] (three per task). Before, the three
- * warps shared each whole record, 128 slots for 96 threads: one warp did two
- * slots while the others waited at the record's barrier (docs/PERF.md,
+/* Mode 1's records into the workspace (sm90_record_decode.h): tasks of up
+ * to 16 records of one 64-row tile, dealt over the decoder warps of all CTAs
+ * in expert order; each warp decodes its tasks alone (half records through
+ * its own two shared tiles) and counts each in ready[expert]. Before
+ * (version 20) the three warps shared each record, 128 slots for 96
+ * threads, and one of them did two while the others waited (docs/PERF.md,
  * version 21). */
 __device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw, int d,
                                const uint8_t *lut, uint8_t *dec) {
   const int KB = p.K / 128, groups = (KB + 15) / 16, per_expert = p.N / 64 * groups;
-  const int wj = d / 32, lane = d % 32;
-  uint8_t *mine = dec + wj * 8192;
+  const int wj = d / 32;
   int n = 0;
-  for (int t = blockIdx.x; t < p.E * per_expert; t += gridDim.x) {
-    const int tile = t / groups, kb0 = 16 * (t % groups), units = 2 * (min(KB, kb0 + 16) - kb0);
-    const uint8_t *base = p.records + ((size_t)tile * KB + kb0) * 4480;
-    RecSlot cur[2];
-    if (wj < units) {
-      load_record_slot(base + (wj / 2) * 4480, 64 * (wj % 2) + lane, cur[0]);
-      load_record_slot(base + (wj / 2) * 4480, 64 * (wj % 2) + lane + 32, cur[1]);
-    }
-    for (int un = wj; un < units; un += 3, n++) {
-      const int h = un % 2, kb = kb0 + un / 2;
-      uint8_t *buf = mine + (n & 1) * 4096;
-      if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      __syncwarp(); /* buf's store, two units ago, has read it */
-      const RecSlot a0 = cur[0], a1 = cur[1];
-      if (un + 3 < units) {
-        const uint8_t *nrec = base + ((un + 3) / 2) * 4480;
-        load_record_slot(nrec, 64 * ((un + 3) % 2) + lane, cur[0]);
-        load_record_slot(nrec, 64 * ((un + 3) % 2) + lane + 32, cur[1]);
-      }
-      decode_record_slot(a0, 64 * h + lane, lut, buf, 32 * h);
-      decode_record_slot(a1, 64 * h + lane + 32, lut, buf, 32 * h);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      if (lane == 0) {
-        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-                         (uint64_t)tw),
-                     "r"(128 * kb), "r"(64 * tile + 32 * h), "r"(smem_u32(buf))
-                     : "memory");
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      }
-    }
-    if (lane == 0) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      __threadfence();
-      atomicAdd(&p.ready[t / per_expert], 1);
-    }
+  for (int t = 3 * blockIdx.x + wj; t < p.E * per_expert; t += 3 * gridDim.x) {
+    const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
+    decode_record_run(p.records + ((size_t)tile * KB + kb0) * 4480, kb0, kb1, tw, 64 * tile, lut,
+                      dec + wj * 8192, n);
+    if (d % 32 == 0) atomicAdd(&p.ready[t / per_expert], 1);
   }
 }
 
@@ -311,7 +222,7 @@ __global__ void __launch_bounds__(384, 1)
         int e, mt, nt;
         unit_of(u, e, mt, nt);
         if (kDecode && e != e_ready) { /* the expert's weights, decoded by every CTA */
-          const int want = kDecode == 2 ? 3 * (p.N / 64) * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
+          const int want = kDecode == 2 ? (p.N / 64) * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
           for (;;) {
             int v;
             asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + e) : "memory");

@@ -109,6 +109,22 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
+/* One m64n128k32 E4M3 WGMMA with both operands in shared memory (A and B
+ * descriptors): the prefill path's and the probe's MMA. */
+__device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" MM_D_128
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : MM_ACC_128(d)
+               : "l"(da), "l"(db), "r"(scale_d));
+}
+
+/* Both CTAs of a cluster meet: their barriers, copies and remote arrives
+ * are set up (at the start) or done with (at the end). */
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 /* ---- host ---- */
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {

@@ -273,6 +273,11 @@ static void ref_l2(const mm_expert_q *e, int m, const uint8_t *aq, const float *
 }
 
 static int g_have_wgmma_fail = 0;
+static int g_prefill_runs = 0; /* cases the prefill path computed */
+
+static const char *path_name(int path) {
+  return path == MM_SM90_PATH_SIMT ? "simt " : path == MM_SM90_PATH_WGMMA ? "wgmma" : "prefill";
+}
 
 /* The pool with an out_rows map (a random permutation of [0, M), so rows
  * also land outside the pool's own range): each pool row's result must be
@@ -311,7 +316,7 @@ static void check_out_rows(const mm_sm90_layer *L, const mm_expert_pool *pool, f
     for (int c = 0; c < H; c++) stray += got2[(size_t)r * H + c] != 0xFFFF;
   }
   printf("#   %s out_rows (permutation of %d rows): %zu rows differ, %zu stray values\n",
-         path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", M, moved, stray);
+         path_name(path), M, moved, stray);
   CHECK_EQ_INT(moved, 0);
   CHECK_EQ_INT(stray, 0);
   cudaFree(d_map);
@@ -409,7 +414,9 @@ static void run_case(mm_weight_mode mode, const shape *s) {
      * the data's tail rather than a kernel's error (a broken decode is O(1)
      * here). */
     const double tol_m3 = 5.0 * mm_sm90_layer_fold_error(L);
-    for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_WGMMA; path++) {
+    /* the prefill path (mode 1 with zero references only; main plans its
+     * workspace region at every size) */
+    for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_PREFILL; path++) {
       CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H)); /* NaN */
       CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
       err = mm_sm90_expert_compute_path(L, &pool, s->clamp, d_ws, wsb, NULL, (mm_sm90_path)path);
@@ -419,6 +426,16 @@ static void run_case(mm_weight_mode mode, const shape *s) {
         g_have_wgmma_fail++;
         continue;
       }
+      if (path == MM_SM90_PATH_PREFILL && (mode != MM_WMODE_G32_FP8 || err)) {
+        /* other modes, and mode 1 with references in its blocks, are
+         * refused with a reason */
+        CHECK_MSG(err && err->code == MEGAMOE_CODE_UNIMPLEMENTED, "mode %d: prefill path not refused",
+                  (int)mode);
+        if (err) printf("# prefill path: %s\n", err->message);
+        megamoe_error_destroy(err);
+        continue;
+      }
+      g_prefill_runs += path == MM_SM90_PATH_PREFILL;
       CHECK_OK(err);
       CUDA_OK(cudaDeviceSynchronize());
       CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
@@ -437,7 +454,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * QGMMA (mode 1), which adds with about 14 bits between the FP32
        * promotions every 128 K (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum
        * data 0. */
-      const int qg = path == MM_SM90_PATH_WGMMA && mode == MM_WMODE_G32_FP8;
+      const int qg = path != MM_SM90_PATH_SIMT && mode == MM_WMODE_G32_FP8;
       const double tau = s->exact ? 0.0 : qg ? 0x1p-10 : 0x1p-16;
       /* Mode 1 is the fast, approximate path: measured on the H200, its L1
        * codes also differ away from near-ties (e.g. 0x88 for 0x81, 0x5a for
@@ -462,7 +479,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
                             &nan_rows);
       printf("# mode %d %s H %d I %d E %d M %d (rows %d..%d) clamp %g%s: end-to-end rel %.3e "
              "(bound %.1e) nan rows %d\n",
-             (int)mode, path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", H, I, E, M, lead, Mused,
+             (int)mode, path_name(path), H, I, E, M, lead, Mused,
              (double)s->clamp, s->extreme ? " extreme" : "", rel, tol, nan_rows);
       CHECK(nan_rows == 0);
       CHECK(rel <= tol);
@@ -473,14 +490,14 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       if (mode != MM_WMODE_G16_FP8 && Mused > 0) {
         CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
         check_intermediate(ex, offs, E, &dots, rw, s->clamp, tau, abs_slack, gq, gsc, rq, rsc, I,
-                           path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", qg && !s->exact ? 2e-2 : 1e-6);
+                           path_name(path), qg && !s->exact ? 2e-2 : 1e-6);
         for (int e = 0; e < E; e++)
           ref_l2(&ex[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
                  ref2 + (size_t)offs[e] * H);
         int nan2;
         double rel2 = rel_frob(got + (size_t)lead * H, ref2 + (size_t)lead * H, Mused - lead, H, &nan2);
         printf("#   %s L2 from the GPU's intermediate: rel %.3e (tol %.1e)\n",
-               path == MM_SM90_PATH_SIMT ? "simt " : "wgmma", rel2, l2_tol);
+               path_name(path), rel2, l2_tol);
         CHECK(rel2 <= l2_tol);
       }
       check_out_rows(L, &pool, s->clamp, d_ws, wsb, (mm_sm90_path)path, got, lead, Mused, H,
@@ -531,6 +548,8 @@ static const shape k_shapes[] = {
     {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0, 0},
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 37},
     {256, 128, 5, k_counts_pair, 0, 0.0f, 0, 0, 0},
+    /* more experts than the prefill path's chunk (MM_SM90_PREFILL_CHUNK) */
+    {256, 128, 40, NULL, 9, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
@@ -539,7 +558,13 @@ static void test_mode(mm_weight_mode mode) {
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
     if (!quick || i == 0 || i == 3 || i == 5 || i == 6) run_case(mode, &k_shapes[i]);
 }
-static void test_mode1_g32(void) { test_mode(MM_WMODE_G32_FP8); }
+static void test_mode1_g32(void) {
+  test_mode(MM_WMODE_G32_FP8);
+  /* random rows fold with one reference each: the prefill path must have
+   * run, not only been refused */
+  printf("# prefill path: %d cases computed\n", g_prefill_runs);
+  CHECK(g_prefill_runs > 0);
+}
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
 static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
 static void test_mode4_g32_f16_exact(void) { test_mode(MM_WMODE_G32_F16_EXACT); }
@@ -603,6 +628,8 @@ static void test_bad_args(void) {
 int main(void) {
   if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
+  /* workspaces with the prefill path's region at every size */
+  setenv("MEGAMOE_SM90_PREFILL", "1", 1);
   RUN(test_bad_args);
   RUN(test_silu_every_bf16);
   RUN(test_mode1_g32);

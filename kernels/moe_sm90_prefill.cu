@@ -1,0 +1,510 @@
+/* moe_sm90_prefill.cu -- mode 1's prefill path (docs/ARCHITECTURE.md;
+ * docs/PERF.md, versions 20-21): pools with some hundreds of rows per
+ * expert, where moe_sm90_wgmma.cu's kernels are held by their consumers'
+ * instruction chain (decode, 32 token-scale loads per K block).
+ *
+ * The GEMMs turn around: tokens are the WGMMA A operand and the weights,
+ * as E4M3, the B operand, both tensor-copied K-major with 128B swizzle
+ * (m64n128k32 SS WGMMAs). The promotion takes one token scale per row and
+ * K block, and no decode sits in the consumers' chain: the producer
+ * warpgroup's warps 1-3 decode the records once per call into an E4M3
+ * workspace, expert by expert ahead of the GEMM and beside it
+ * (sm90_record_decode.h). Decode tasks are claimed from a counter, so every
+ * task belongs to a running CTA whatever else holds SMs; a CTA waits for an
+ * expert's tasks before its first copy of that expert's weights.
+ *
+ * Only matrices whose reference exponents are all 0 (the layer's
+ * refs_zero: the row anchor moved every row's reference into its row
+ * factor): the records' values are then the weights over the row factor,
+ * which the epilogues apply per column.
+ *
+ * Per kernel: a persistent grid of clusters of 2 CTAs on neighbouring token
+ * tiles of one expert, each CTA copying half of the weight tile into both
+ * (multicast). One producer warpgroup (thread 0: copies; warps 1-3: decode)
+ * and two consumer warpgroups.
+ * - L1: 64 x 256 tiles: 64 tokens and 256 layout rows of w13, the gates and
+ *   ups of 128 channels (docs/LAYOUTS.md, "Row order"), 128 columns per
+ *   warpgroup. The epilogue (SwiGLU, top-k weight, FP8 per 128 channels,
+ *   ref_moe.h's order) writes the intermediate and its scales.
+ * - L2: 128 x 128 tiles, 64 tokens per warpgroup; BF16 out through the row
+ *   map.
+ * At most kChunk experts per launch pair (the workspace holds their
+ * weights); L2 reuses L1's workspace. */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include <atomic>
+
+#include "moe_sm90_impl.h"
+#include "sm90_ptx.h"
+#include "sm90_record_decode.h"
+
+extern "C" {
+#include "formats.h"
+}
+
+namespace {
+
+constexpr int kChunk = MM_SM90_PREFILL_CHUNK; /* experts per launch pair */
+
+struct PfParams {
+  const uint8_t *w;   /* layer records */
+  size_t expert_bytes, mat_off;
+  const float *rs;    /* row factors [E][N] of the matrix */
+  const uint8_t *lut; /* the fold table; its entries (k, 0) go to shared memory */
+  const int32_t *offsets;
+  int e0, E;          /* this launch's experts [e0, e0 + E) */
+  int N, K;           /* the matrix: N layout rows (GEMM columns), K columns */
+  int M, Mp;
+  /* L1 */
+  const float *row_weight;
+  float clamp;
+  const float *silu; /* silu of every BF16 value (moe_sm90_wgmma.cu) */
+  uint8_t *act;      /* [Mp][N / 2] FP8 */
+  float *as_t;       /* [N / 256][Mp] */
+  /* L2 */
+  uint16_t *out;     /* [M][N] BF16 */
+  const int32_t *out_rows;
+  int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
+};
+
+template <int GEMM>
+struct PfCfg {
+  static constexpr bool kSplitN = GEMM == 1;
+  static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
+  static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
+  static constexpr int kScaleBox = BM + 4; /* token scales from row0 & ~3 */
+  static constexpr int kStage = kA + kB + kS;
+  static constexpr int kStg = 2 * 16384;  /* per consumer: 64 rows x 128 BF16 columns */
+  static constexpr int kDec = 3 * 8192;   /* per decoder warp: two 32 x 128 tiles */
+  static constexpr int kFixed = kStg + kDec + 256 + 2048 + 1024 + 1024 + 256;
+  static constexpr int kStages0 = (232448 - 1024 - kFixed) / kStage;
+  static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
+  static constexpr int kOffStg = kStages * kStage;
+  static constexpr int kOffDec = kOffStg + kStg;   /* 1024-aligned: swizzled tiles */
+  static constexpr int kOffLut = kOffDec + kDec;   /* compact fold table, 256-aligned */
+  static constexpr int kOffFac = kOffLut + 256;    /* row factors [2 wg][2 parity][128] */
+  static constexpr int kOffRed = kOffFac + 2048;   /* L1 amax [2 parity][2 wg][64] */
+  static constexpr int kOffSched = kOffRed + 1024; /* unit and task prefixes, offsets */
+  static constexpr int kOffBar = kOffSched + 1024;
+  static constexpr int kBytes = kOffBar + 256 + 1024;
+  static_assert(kStages >= 3, "at least three stages");
+  static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
+};
+
+__device__ __forceinline__ uint8_t to_e4m3(float x) {
+  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ float to_bf16_value(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+/* A work unit: expert e (of the launch), token tile mt (of the expert's),
+ * column tile nt; row0 the pool row of the tile's first token (a tile past
+ * the expert's rows, the second of an odd pair, re-reads its first tile),
+ * valid its rows of the expert. */
+struct PfUnit {
+  int e, nt, row0, valid;
+};
+
+template <int GEMM>
+__global__ void __launch_bounds__(384, 1)
+    prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
+                   const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
+                   const __grid_constant__ CUtensorMap tw) {
+  using G = PfCfg<GEMM>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t *full = (uint64_t *)(sm + G::kOffBar), *empty = full + G::kStages;
+  /* units: each expert's token tiles in pairs (one per CTA of a cluster)
+   * times the column tiles; decode tasks: 16 records of a 64-row tile */
+  int *uoff = (int *)(sm + G::kOffSched), *toff = uoff + kChunk + 1;
+  int *rbeg = toff + kChunk + 1, *rend = rbeg + kChunk + 1; /* each expert's pool rows */
+  const int wg = threadIdx.x / 128, KB = p.K / 128, NT = p.N / G::BN;
+  const int groups = (KB + 15) / 16, tasks_pe = p.N / 64 * groups;
+  uint32_t crank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < G::kStages; s++) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 16); /* one arrive per consumer warp of both CTAs */
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    uoff[0] = toff[0] = 0;
+    for (int e = 0; e < p.E; e++) {
+      /* offsets outside [0, M] or decreasing count as empty experts */
+      const int a = min(max(p.offsets[p.e0 + e], 0), p.M);
+      const int b = min(max(p.offsets[p.e0 + e + 1], a), p.M);
+      const int mt = (b - a + G::BM - 1) / G::BM;
+      rbeg[e] = a;
+      rend[e] = b;
+      uoff[e + 1] = uoff[e] + (mt + 1) / 2 * NT;
+      toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
+    }
+  }
+  if (threadIdx.x >= 32 && threadIdx.x < 96) { /* the compact fold table: entries (k, 0) */
+    const int i = threadIdx.x - 32;
+    const int src = (i >> 1) * 16 + (i & 1);
+    ((uint32_t *)(sm + G::kOffLut))[i] =
+        src < MM_SM90_LUT_ENTRIES * 2 ? ((const uint32_t *)p.lut)[src] : 0u;
+  }
+  __syncthreads();
+  cluster_sync();
+  const int ustep = gridDim.x / 2, ufirst = blockIdx.x / 2, nunits = uoff[p.E];
+  int cur = 0;
+  auto unit_of = [&](int u) {
+    while (uoff[cur + 1] <= u) cur++;
+    PfUnit un;
+    un.e = cur;
+    const int pairs = (uoff[cur + 1] - uoff[cur]) / NT, v = u - uoff[cur];
+    const int mt = 2 * (v % pairs) + (int)crank;
+    un.nt = v / pairs;
+    const int a = rbeg[cur];
+    un.valid = min(max(rend[cur] - a - mt * G::BM, 0), G::BM);
+    un.row0 = un.valid > 0 ? a + mt * G::BM : a;
+    return un;
+  };
+
+  if (wg == 0) {
+    if (threadIdx.x >= 32) { /* decoder warps */
+      const int wj = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
+      const uint8_t *lut = sm + G::kOffLut;
+      int n = 0, dcur = 0;
+      for (;;) {
+        int t = 0;
+        if (lane == 0) t = atomicAdd(p.ready + p.E, 1);
+        t = __shfl_sync(0xffffffffu, t, 0);
+        if (t >= toff[p.E]) break;
+        while (toff[dcur + 1] <= t) dcur++;
+        const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
+        const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
+                             ((size_t)tile * KB + kb0) * 4480;
+        decode_record_run(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile, lut,
+                          sm + G::kOffDec + wj * 8192, n);
+        if (lane == 0) atomicAdd(p.ready + dcur, 1);
+      }
+    } else if (threadIdx.x == 0) { /* copies */
+      int stage = 0, e_ready = -1;
+      uint32_t phase = 0;
+      for (int u = ufirst; u < nunits; u += ustep) {
+        const PfUnit un = unit_of(u);
+        if (un.e != e_ready) { /* the expert's weights, decoded by all CTAs */
+          for (;;) {
+            int v;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + un.e) : "memory");
+            if (v >= tasks_pe) break;
+            __nanosleep(200);
+          }
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          e_ready = un.e;
+        }
+        const int brow = un.e * p.N + un.nt * G::BN + (int)crank * (G::BN / 2);
+        for (int kb = 0; kb < KB; kb++) {
+          mbar_wait(&empty[stage], phase ^ 1);
+          uint8_t *st = sm + stage * G::kStage;
+          mbar_expect_tx(&full[stage], G::kA + G::kB + 4 * G::kScaleBox);
+          tma_2d(st, &ta, kb * 128, un.row0, &full[stage]);
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes."
+              "multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(
+                  smem_u32(st + G::kA + (int)crank * (G::BN / 2) * 128)),
+              "l"((uint64_t)&tb), "r"(kb * 128), "r"(brow), "r"(smem_u32(&full[stage])),
+              "h"((uint16_t)3)
+              : "memory");
+          /* the token scales from row0 & ~3: a box's first element must
+           * sit 16-byte aligned (an unaligned one is an illegal
+           * instruction) */
+          tma_2d(st + G::kA + G::kB, &ts, un.row0 & ~3, kb, &full[stage]);
+          if (++stage == G::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    cluster_sync(); /* the peer's copies and arrivals reach us until it ends */
+    return;
+  }
+
+  /* consumers */
+  const int c = wg - 1, t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
+  const int aoff = G::kSplitN ? 0 : 64 * c, boff = G::kSplitN ? 128 * c : 0;
+  const int r0 = 16 * w + l / 4; /* rows r0, r0 + 8 of the warpgroup's 64 */
+  uint32_t peer_empty;
+  /* the peer's barrier: a plain (CTA-scope release) remote arrive; with
+   * .release.cluster every arrive waited for a cluster-scope fence and the
+   * probe ran at half speed (docs/PERF.md, version 20) */
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_empty) : "r"(smem_u32(empty)), "r"(crank ^ 1));
+  float silu_c = 0.0f;
+  if (GEMM == 1 && p.clamp > 0.0f) silu_c = p.clamp / (1.0f + expf(-p.clamp)); /* = the table's silu */
+  int stage = 0, it = 0;
+  uint32_t phase = 0;
+  float acc[64], fin[64];
+  for (int u = ufirst; u < nunits; u += ustep, it++) {
+    const PfUnit un = unit_of(u);
+    const int parity = it & 1;
+    /* the epilogue's factors, loaded now so that their latency passes under
+     * the K loop: the row factor of column t of the warpgroup's 128 and the
+     * top-k weights of the thread's two rows (L1) */
+    const float fac = __ldg(p.rs + (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + boff + t);
+    float rw[2] = {0.0f, 0.0f};
+    if (GEMM == 1)
+#pragma unroll
+      for (int rr = 0; rr < 2; rr++)
+        if (r0 + 8 * rr < un.valid) rw[rr] = __ldg(p.row_weight + un.row0 + r0 + 8 * rr);
+#pragma unroll
+    for (int i = 0; i < 64; i++) fin[i] = 0.f;
+    for (int kb = 0; kb < KB; kb++) {
+      mbar_wait(&full[stage], phase);
+      uint8_t *st = sm + stage * G::kStage;
+      const uint64_t da = desc_b(smem_u32(st + aoff * 128)), db = desc_b(smem_u32(st + G::kA + boff * 128));
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
+      wg_commit();
+      wg_wait<0>();
+      const float *sc = (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff;
+      const float s0 = sc[r0], s1 = sc[r0 + 8];
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (l == 0) {
+        mbar_arrive(&empty[stage]);
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty + 8 * stage) : "memory");
+      }
+#pragma unroll
+      for (int j = 0; j < 16; j++) {
+        fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);
+        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
+        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
+        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+      }
+      if (++stage == G::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    /* ---- epilogue: the factors into shared memory (one slot per parity:
+     * a thread reaching the next unit's slot has passed this barrier, which
+     * every thread of the warpgroup meets after its previous copy-out) */
+    float *facs = (float *)(sm + G::kOffFac) + (2 * c + parity) * 128;
+    facs[t] = fac;
+    named_sync(1 + c, 128);
+    if (GEMM == 1) {
+      /* accumulator column 8j + 2q + b: gate when j is even, the up of the
+       * same channel 8 columns on (j + 1); the thread's channels of the
+       * warpgroup's 64 are 8m + 2q + b (m = j / 2) */
+      float h[32], amax[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int m = 0; m < 8; m++)
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            const int col = 16 * m + 2 * q + b;
+            float gt = to_bf16_value(fin[8 * m + 2 * rr + b] * facs[col]);
+            float up = to_bf16_value(fin[8 * m + 4 + 2 * rr + b] * facs[col + 8]);
+            if (p.clamp > 0.0f) {
+              gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
+              up = mm_clamp_up(up, p.clamp);
+            }
+            /* a BF16 gate from the table; a clamped one that BF16 cannot
+             * hold is the clamp itself, whose silu is silu_c */
+            const uint32_t gb = __float_as_uint(gt);
+            const float s = gb & 0xFFFFu ? silu_c : __ldg(p.silu + (gb >> 16));
+            const float v = (s * up) * rw[rr];
+            h[16 * rr + 2 * m + b] = v;
+            amax[rr] = fmaxf(amax[rr], fabsf(v));
+          }
+      float *red = (float *)(sm + G::kOffRed) + parity * 128;
+#pragma unroll
+      for (int rr = 0; rr < 2; rr++) {
+        amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 1));
+        amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 2));
+        if (q == 0) red[64 * c + r0 + 8 * rr] = amax[rr];
+      }
+      /* the only barrier both warpgroups meet: a row's 128 channels */
+      named_sync(3, 256);
+      uint8_t *half = sm + G::kOffStg + c * 4096; /* 64 rows x this warpgroup's 64 channels */
+#pragma unroll
+      for (int rr = 0; rr < 2; rr++) {
+        const int row = r0 + 8 * rr;
+        const float mx = fmaxf(fmaxf(red[row], red[64 + row]), 1e-4f);
+        const float inv = 448.0f / mx;
+        if (c == 0 && q == 0 && row < un.valid) p.as_t[(size_t)un.nt * p.Mp + un.row0 + row] = mx / 448.0f;
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+          const uint32_t pair = (uint32_t)to_e4m3(h[16 * rr + 2 * m] * inv) |
+                                (uint32_t)to_e4m3(h[16 * rr + 2 * m + 1] * inv) << 8;
+          *(uint16_t *)(half + row * 64 + 8 * m + 2 * q) = (uint16_t)pair;
+        }
+      }
+      named_sync(1 + c, 128);
+      /* two threads per token row, 32 bytes each */
+      const int row = t / 2;
+      if (row < un.valid) {
+        const uint4 *src = (const uint4 *)(half + row * 64 + (t % 2) * 32);
+        uint4 *dst = (uint4 *)(p.act + (size_t)(un.row0 + row) * (p.N / 2) + un.nt * 128 + 64 * c +
+                               (t % 2) * 32);
+        dst[0] = src[0];
+        dst[1] = src[1];
+      }
+    } else {
+      /* BF16 tile in staging: row r's 16-byte chunk j at j ^ (r % 8), so
+       * the 8 rows of a store (r % 8 = g) fall in different banks */
+      uint8_t *stg = sm + G::kOffStg + c * 16384;
+      int orow[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int row = t / 16 + 8 * i;
+        orow[i] = aoff + row >= un.valid ? -1
+                  : p.out_rows          ? __ldg(p.out_rows + un.row0 + aoff + row)
+                                        : un.row0 + aoff + row;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+          const int row = r0 + 8 * rr, col = 8 * j + 2 * q;
+          __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * rr] * facs[col],
+                                                   fin[4 * j + 2 * rr + 1] * facs[col + 1]);
+          const uint32_t at = smem_u32(stg + row * 256 + ((j ^ (row & 7)) << 4) + 4 * q);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(*(uint32_t *)&v) : "memory");
+        }
+      named_sync(1 + c, 128);
+      /* 16 threads per token row; a map entry outside [0, M) is a caller's
+       * bug and is not followed into foreign memory */
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int row = t / 16 + 8 * i, ck = t % 16;
+        if ((unsigned)orow[i] < (unsigned)p.M)
+          *(uint4 *)(p.out + (size_t)orow[i] * p.N + un.nt * 128 + ck * 8) =
+              *(const uint4 *)(stg + row * 256 + ((ck ^ (row & 7)) << 4));
+      }
+    }
+  }
+  cluster_sync();
+}
+
+/* Clusters of 2 that fit at once, per device (a cluster sits in one GPC:
+ * not every SM may hold one). */
+template <int GEMM>
+mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];
+  int dev = 0;
+  MM_CUDA_TRY(cudaGetDevice(&dev));
+  int n = dev < kMaxDevices ? cached[dev].load() : 0;
+  if (!n) {
+    int clusters = 0;
+    MM_CUDA_TRY(cudaOccupancyMaxActiveClusters(&clusters, prefill_kernel<GEMM>, &cfg));
+    MM_ARG_CHECK(clusters > 0, "sm90 prefill: no cluster of 2 CTAs fits");
+    n = 2 * clusters;
+    if (dev < kMaxDevices) cached[dev].store(n);
+  }
+  *ctas = n;
+  return NULL;
+}
+
+template <int GEMM>
+mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
+               const CUtensorMap &tb, const CUtensorMap &tw, cudaStream_t st) {
+  using G = PfCfg<GEMM>;
+  auto kern = prefill_kernel<GEMM>;
+  /* per call: a function attribute belongs to one device's context */
+  MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = 2;
+  at.val.clusterDim.y = at.val.clusterDim.z = 1;
+  cfg.gridDim = dim3(2);
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = G::kBytes;
+  cfg.stream = st;
+  cfg.attrs = &at;
+  cfg.numAttrs = 1;
+  int ctas = 0;
+  MM_TRY(grid_size<GEMM>(cfg, &ctas));
+  cfg.gridDim = dim3(ctas);
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw));
+  return NULL;
+}
+
+}  // namespace
+
+const char *mm_sm90_prefill_unsupported(const mm_sm90_layer *L) {
+  if (L->mode != MM_WMODE_G32_FP8) return "mode 1 (g32-fp8) only";
+  if (!L->refs_zero13 || !L->refs_zero2) return "weights with per-block reference exponents";
+  if (L->H % 128 || L->I % 128) return "hidden and expert sizes must be multiples of 128";
+  if (L->rec != 4480) return "record size mismatch";
+  return NULL;
+}
+
+mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
+                            const mm_sm90_ws *ws, cudaStream_t st) {
+  const char *why = mm_sm90_prefill_unsupported(L);
+  if (why) return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 prefill path: %s", why);
+  MM_ARG_CHECK(ws->wdec && ws->pf_count,
+               "sm90 prefill path: the workspace has no weight region (planned without it)");
+  MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
+               "sm90 expert compute: pool x and out must be 16-byte aligned");
+  const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
+  const int chunks = (L->E + kChunk - 1) / kChunk;
+  MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
+  MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E), st));
+  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
+  const int ec = L->E < kChunk ? L->E : kChunk;
+  MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, PfCfg<1>::BM, true));
+  MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
+                  PfCfg<1>::kScaleBox, 1, false));
+  MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, PfCfg<2>::BM, true));
+  MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp,
+                  PfCfg<2>::kScaleBox, 1, false));
+  MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
+                  PfCfg<1>::BN / 2, true));
+  MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
+                  32, true));
+  MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128,
+                  PfCfg<2>::BN / 2, true));
+  MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128, 32,
+                  true));
+  PfParams p;
+  memset(&p, 0, sizeof(p));
+  p.w = L->d_w;
+  p.expert_bytes = L->expert_bytes;
+  p.lut = L->d_lut;
+  p.offsets = pool->expert_offsets;
+  p.M = M;
+  p.Mp = Mp;
+  p.row_weight = pool->row_weight;
+  p.clamp = clamp;
+  p.silu = mm_sm90_silu_table();
+  MM_ARG_CHECK(p.silu, "sm90 prefill path: no silu table on this device");
+  p.act = ws->act;
+  p.as_t = ws->as_t;
+  p.out = pool->out;
+  p.out_rows = pool->out_rows;
+  for (int ch = 0; ch < chunks; ch++) {
+    p.e0 = ch * kChunk;
+    p.E = L->E - p.e0 < kChunk ? L->E - p.e0 : kChunk;
+    /* L1 */
+    p.mat_off = 0;
+    p.rs = L->d_rs13;
+    p.N = 2 * I;
+    p.K = H;
+    p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
+    MM_TRY(launch<1>(p, x1, s1, wb1, ww1, st));
+    /* L2, into the same workspace once L1 is done with it */
+    p.mat_off = L->w13_bytes;
+    p.rs = L->d_rs2;
+    p.N = H;
+    p.K = I;
+    p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
+    MM_TRY(launch<2>(p, x2, s2, wb2, ww2, st));
+  }
+  return NULL;
+}
