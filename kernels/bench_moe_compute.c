@@ -27,6 +27,9 @@
  * --out-rows: the pool's rows go to out rows through a map (a fixed random
  * permutation), as the expert-parallel path has them write straight into the
  * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
+ * --path: auto (the default) runs what the product picks per call (mode 1's
+ * prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
+ * WGMMA kernels); wgmma, prefill and simt force one;
  * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
  * operation for t ms, then times its iterations: the H200 reaches its 700 W
  * power cap within about a second of prefill-sized work and lowers its clocks
@@ -79,7 +82,7 @@ int main(int argc, char **argv) {
   int profile_only = 0, block_refs = 0, out_rows = 0;
   int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
   static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
-  mm_sm90_path path = MM_SM90_PATH_WGMMA;
+  mm_sm90_path path = MM_SM90_PATH_AUTO;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -138,10 +141,15 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, dev));
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
-  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s%s; warm-up %.0f ms\n",
+  printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s%s; warm-up %.0f ms; "
+         "path %s\n",
          prop.name, prop.multiProcessorCount, mode_name, E, H, I, iters,
          block_refs ? "; per-block references" : "", out_rows ? "; out rows mapped" : "",
-         g_warmup_ms);
+         g_warmup_ms,
+         path == MM_SM90_PATH_AUTO      ? "auto"
+         : path == MM_SM90_PATH_PREFILL ? "prefill"
+         : path == MM_SM90_PATH_SIMT    ? "simt"
+                                        : "wgmma");
 
   mm_sm90_layer *L = NULL;
   OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));

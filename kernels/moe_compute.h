@@ -38,6 +38,10 @@ mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                              mm_weight_mode mode, void *stream,
                              mm_sm90_layer **out);
 void mm_sm90_layer_destroy(mm_sm90_layer *layer);
+/* compute.prefill-path: allow (1, the default) or forbid (0) mode 1's
+ * prefill path (moe_sm90_prefill.cu) for this layer; forbidden, its
+ * workspace holds no prefill region. Set before sizing workspaces. */
+void mm_sm90_layer_set_prefill(mm_sm90_layer *layer, int allow);
 size_t mm_sm90_layer_device_bytes(const mm_sm90_layer *layer);
 
 /* The tokens this rank received, grouped by local expert (a contiguous pool).

@@ -241,6 +241,10 @@ extern "C" size_t mm_sm90_workspace_bytes(const mm_sm90_layer *L, int num_rows_m
 
 /* ------------------------------------------------------------- dispatch ---- */
 
+extern "C" void mm_sm90_layer_set_prefill(mm_sm90_layer *L, int allow) {
+  if (L) L->prefill_off = !allow;
+}
+
 int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max) {
   if (mm_sm90_prefill_unsupported(L)) return 0;
   const char *v = getenv("MEGAMOE_SM90_PREFILL");

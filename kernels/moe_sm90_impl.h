@@ -23,6 +23,7 @@ struct mm_sm90_layer {
   uint8_t *d_lut;      /* [MM_SM90_LUT_ENTRIES][8] */
   int refs_zero13;     /* every reference exponent of w13 is 0 (zero_refs) */
   int refs_zero2;      /* of w2 */
+  int prefill_off;     /* the prefill path turned off (mm_sm90_layer_set_prefill) */
   size_t device_bytes;
   double fold_rel;     /* mode 3 relative Frobenius fold error */
 };

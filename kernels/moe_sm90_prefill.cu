@@ -437,6 +437,7 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
 }  // namespace
 
 const char *mm_sm90_prefill_unsupported(const mm_sm90_layer *L) {
+  if (L->prefill_off) return "turned off (compute.prefill-path: off)";
   if (L->mode != MM_WMODE_G32_FP8) return "mode 1 (g32-fp8) only";
   if (!L->refs_zero13 || !L->refs_zero2) return "weights with per-block reference exponents";
   if (L->H % 128 || L->I % 128) return "hidden and expert sizes must be multiples of 128";

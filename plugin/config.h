@@ -10,6 +10,7 @@
 
 typedef enum { MM_REQUANT_NONE = 0, MM_REQUANT_G16_TO_G32 = 1 } mm_requant_policy;
 typedef enum { MM_COMPUTE_AUTO = 0, MM_COMPUTE_FP8 = 1, MM_COMPUTE_BF16_EXACT = 2 } mm_compute_mode;
+typedef enum { MM_PREFILL_AUTO = 0, MM_PREFILL_OFF = 1 } mm_prefill_path;
 typedef enum { MM_DISPATCH_AUTO = 0, MM_DISPATCH_NORMAL = 1, MM_DISPATCH_LOW_LATENCY = 2 } mm_dispatch_mode;
 typedef enum { MM_BACKEND_AUTO = 0, MM_BACKEND_CUDA = 1, MM_BACKEND_CPU_REFERENCE = 2 } mm_backend_kind;
 typedef enum { MM_SCALE_FP32 = 0, MM_SCALE_UE8M0 = 1 } mm_act_scale_format;
@@ -33,6 +34,7 @@ typedef struct mm_config {
   double compute_max_rel_error;       /* compute.max-rel-error: the largest end-to-end
                                          relative output error compute.mode auto may
                                          accept (default 0.02; plugin/mode_choice.h) */
+  mm_prefill_path compute_prefill_path; /* compute.prefill-path: auto (default) or off */
   mm_model_config model;
   int ep_size;                 /* ep-size (default 1) */
   int num_max_tokens_per_rank; /* num-max-tokens-per-rank (default 4096) */

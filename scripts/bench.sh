@@ -31,6 +31,10 @@ if [ -x "$b" ]; then
     # shellcheck disable=SC2086
     "$b" $args ${BENCH_ARGS:-}
   done
+  # Mode 1's prefill path (the default from 768 rows per expert) against the
+  # WGMMA kernels at the same shapes (docs/PERF.md, version 21)
+  echo "## bench_moe_compute --gran-k 32 --path wgmma --M 24576,32768,65536 --loads uniform"
+  "$b" --gran-k 32 --path wgmma --M 24576,32768,65536 --loads uniform
   # Prefill in the sustained state: each measurement (ceilings included) runs
   # 1.5 s first, so that ours and cuBLASLt both run at the power cap
   # (docs/PERF.md, version 17). BENCH_SUSTAINED=0 skips it.
@@ -41,6 +45,8 @@ if [ -x "$b" ]; then
       # shellcheck disable=SC2086
       "$b" $args --warmup-ms 1500 --M 32768 --loads uniform
     done
+    echo "## bench_moe_compute --gran-k 32 --path wgmma --warmup-ms 1500 --M 32768 --loads uniform (sustained)"
+    "$b" --gran-k 32 --path wgmma --warmup-ms 1500 --M 32768 --loads uniform
   fi
 fi
 

@@ -58,6 +58,7 @@ static int config_equal(const mm_config *a, const mm_config *b) {
          a->requant_max_rel_error == b->requant_max_rel_error &&
          a->compute_mode == b->compute_mode &&
          a->compute_max_rel_error == b->compute_max_rel_error &&
+         a->compute_prefill_path == b->compute_prefill_path &&
          a->model.hidden_size == b->model.hidden_size &&
          a->model.moe_intermediate_size == b->model.moe_intermediate_size &&
          a->model.num_experts == b->model.num_experts && a->model.top_k == b->model.top_k &&
@@ -185,7 +186,7 @@ static void test_every_key(void) {
       "requant:\n"
       "  policy: group16-to-group32\n"
       "  max-rel-error: 0.5\n"
-      "compute: {mode: bf16-exact, max-rel-error: 0.001}\n"
+      "compute: {mode: bf16-exact, max-rel-error: 0.001, prefill-path: off}\n"
       "model:\n"
       "  hidden-size: 4096\n"
       "  moe-intermediate-size: 1536\n"
@@ -208,6 +209,7 @@ static void test_every_key(void) {
       "requant.max-rel-error: 5e-1\n"
       "compute.mode: \"bf16-exact\"\n"
       "compute.max-rel-error: 1e-3\n"
+      "compute.prefill-path: off\n"
       "model.hidden-size: +4096\n"
       "model.moe-intermediate-size: 1536\n"
       "model.num-experts: 160\n"
@@ -231,6 +233,7 @@ static void test_every_key(void) {
     CHECK(c.requant_max_rel_error == 0.5);
     CHECK_EQ_INT(c.compute_mode, MM_COMPUTE_BF16_EXACT);
     CHECK(c.compute_max_rel_error == 0.001);
+    CHECK_EQ_INT(c.compute_prefill_path, MM_PREFILL_OFF);
     CHECK_EQ_INT(c.model.hidden_size, 4096);
     CHECK_EQ_INT(c.model.moe_intermediate_size, 1536);
     CHECK_EQ_INT(c.model.num_experts, 160);
@@ -362,6 +365,8 @@ static const bad_case bad_cases[] = {
     {"gran-k: 64", 1, 9, "gran-k: invalid value '64' (expected one of: auto, 16, 32)"},
     {"gran-k: 16.0", 1, 9, "gran-k: invalid value '16.0'"},
     {"compute:\n  mode: fp16\n", 2, 9, "compute.mode: invalid value 'fp16'"},
+    {"compute.prefill-path: on", 1, 23,
+     "compute.prefill-path: invalid value 'on' (expected one of: auto, off)"},
     {"dispatch-mode: low_latency", 1, 16, "did you mean 'low-latency'?"},
     {"backend: gpu", 1, 10, "backend: invalid value 'gpu'"},
     {"log-level: verbose", 1, 12, "log-level: invalid value 'verbose'"},
