@@ -74,9 +74,15 @@ typedef struct mm_expert_pool {
  * and out 16-byte aligned. */
 
 /* Workspace bytes needed for a pool of num_rows_max rows (token scales,
- * the intermediate activations and their scales; mm_sm90_workspace_plan).
- * Allocated once at plan time. */
+ * the intermediate activations and their scales; mm_sm90_workspace_plan;
+ * and, where planned, the prefill path's weights and counts,
+ * mm_sm90_prefill_planned). Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
+/* The least a compute call accepts: without the prefill path's weight
+ * region (mode 1 from MM_SM90_PREFILL_MIN_ROWS rows per expert;
+ * moe_sm90_impl.h), which a call given less than mm_sm90_workspace_bytes
+ * then does without. */
+size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *layer, int num_rows_max);
 
 /* Computes every row in [offsets[0], offsets[E_loc]); other rows of `out`
  * are not written (`out` is scratch during the call: see mm_expert_pool).

@@ -222,7 +222,7 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
   w.xs_t = b ? (float *)(b + pl.xs_t) : NULL;
   w.act = b ? b + pl.act : NULL;
   w.as_t = b ? (float *)(b + pl.as_t) : NULL;
-  w.bytes = pl.bytes;
+  w.bytes = w.base_bytes = pl.bytes;
   if (mm_sm90_prefill_planned(L, num_rows_max)) {
     /* the prefill path's weights (the larger matrix of up to a chunk of
      * experts) and decode counts, after the plan's arrays */
@@ -237,6 +237,10 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
 
 extern "C" size_t mm_sm90_workspace_bytes(const mm_sm90_layer *L, int num_rows_max) {
   return mm_sm90_ws_carve(L, num_rows_max, NULL).bytes;
+}
+
+extern "C" size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *L, int num_rows_max) {
+  return mm_sm90_ws_carve(L, num_rows_max, NULL).base_bytes;
 }
 
 /* ------------------------------------------------------------- dispatch ---- */
@@ -278,6 +282,13 @@ extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_
   MM_ARG_CHECK(pool->expert_offsets && pool->x && pool->x_scale && pool->row_weight && pool->out,
                "sm90 expert compute: NULL device pointer in the pool");
   mm_sm90_ws ws = mm_sm90_ws_carve(L, pool->num_rows_max, workspace);
+  if (workspace_bytes < ws.bytes && workspace_bytes >= ws.base_bytes) {
+    /* sized without the prefill path's region (a plan made before the
+     * layers were prepared): the WGMMA kernels only */
+    ws.wdec = NULL;
+    ws.pf_count = NULL;
+    ws.bytes = ws.base_bytes;
+  }
   MM_ARG_CHECK(workspace && workspace_bytes >= ws.bytes,
                "sm90 expert compute: workspace of %zu bytes, %zu needed for %d rows",
                workspace_bytes, ws.bytes, pool->num_rows_max);

@@ -43,6 +43,7 @@ struct mm_sm90_ws {
                       [chunk][2I][H] (L1) or [chunk][H][I] (L2) */
   int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes) */
   size_t bytes;
+  size_t base_bytes; /* without the prefill path's region */
 };
 
 /* The prefill path: experts per launch pair (its weight workspace holds

@@ -230,7 +230,10 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
                     "execute under CUDA graph capture needs the low-latency dispatch mode (T = %d; "
                     "set dispatch-mode: low-latency or T <= dispatch.low-latency-max-tokens)",
                     io->T);
-  const size_t ws_need = mm_sm90_workspace_bytes(L, (int)mm_ep_engine_sizes(s->engine)->pool_rows);
+  /* without the prefill path's region, which the compute does without when
+   * the plan did not reserve it (planned before this layer was prepared) */
+  const size_t ws_need =
+      mm_sm90_workspace_bytes_min(L, (int)mm_ep_engine_sizes(s->engine)->pool_rows);
   mm_err *pending = capturing ? NULL : mm_cuda_check(op, st, 0);
   if (pending && op->state == MM_OP_FATAL) return pending;
   mm_ep_step step = {io->T, io->hidden, io->topk_ids, io->topk_weights,

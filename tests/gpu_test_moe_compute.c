@@ -628,6 +628,81 @@ static void test_bad_args(void) {
   mm_qmat_free(&ex.w2);
 }
 
+/* The prefill path's workspace region: a call given only the minimum runs
+ * the WGMMA kernels (a plan made before the layers were prepared), a forced
+ * prefill call refuses it, less than the minimum is refused; a layer with
+ * the path turned off plans no region and refuses the forced path. */
+static void test_prefill_workspace(void) {
+  mm_expert_q ex;
+  memset(&ex, 0, sizeof(ex));
+  make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0, 1); /* exact data: one reference per row */
+  mm_sm90_layer *L = NULL;
+  CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
+  const int M = 70, H = 256;
+  const int offs[2] = {0, M};
+  void *d_off = NULL, *d_x = NULL, *d_xs = NULL, *d_rw = NULL, *d_out = NULL, *d_ws = NULL;
+  if (!L) goto done;
+  const size_t full = mm_sm90_workspace_bytes(L, M), least = mm_sm90_workspace_bytes_min(L, M);
+  printf("# workspace for %d rows: %zu bytes, %zu without the prefill region\n", M, full, least);
+  CHECK(full > least);
+  CUDA_OK(cudaMalloc(&d_off, sizeof(offs)));
+  CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * (size_t)M * (H / 128)));
+  CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
+  CUDA_OK(cudaMalloc(&d_out, 2 * (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d_ws, full));
+  CUDA_OK(cudaMemcpy(d_off, offs, sizeof(offs), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(d_x, 0x38, (size_t)M * H)); /* 1.0 */
+  {
+    float *h = malloc(sizeof(float) * (size_t)M * (H / 128));
+    for (int i = 0; i < M * (H / 128); i++) h[i] = 0.5f;
+    CUDA_OK(cudaMemcpy(d_xs, h, sizeof(float) * (size_t)M * (H / 128), cudaMemcpyHostToDevice));
+    for (int i = 0; i < M; i++) h[i] = 1.0f;
+    CUDA_OK(cudaMemcpy(d_rw, h, sizeof(float) * M, cudaMemcpyHostToDevice));
+    free(h);
+  }
+  mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out, 0, NULL};
+  /* the full region: the forced path runs */
+  mm_err *err = mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, full, NULL, MM_SM90_PATH_PREFILL);
+  if (err && err->code == MEGAMOE_CODE_UNIMPLEMENTED) {
+    printf("# prefill path: %s\n", err->message);
+  } else {
+    CHECK_OK(err);
+    err = NULL;
+  }
+  megamoe_error_destroy(err);
+  /* the minimum: AUTO runs (the WGMMA kernels), the forced path is refused */
+  uint16_t *got = malloc(2 * (size_t)M * H);
+  CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H));
+  CHECK_OK(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least, NULL));
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+  size_t nan = 0;
+  for (size_t i = 0; i < (size_t)M * H; i++) nan += (got[i] & 0x7F80) == 0x7F80;
+  CHECK_EQ_INT(nan, 0);
+  free(got);
+  CHECK_ERR(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, least, NULL, MM_SM90_PATH_PREFILL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  CHECK_ERR(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least - 1, NULL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  /* turned off (compute.prefill-path: off) */
+  mm_sm90_layer_set_prefill(L, 0);
+  CHECK_EQ_INT(mm_sm90_workspace_bytes(L, M), least);
+  CHECK_ERR(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, full, NULL, MM_SM90_PATH_PREFILL),
+            MEGAMOE_CODE_UNIMPLEMENTED);
+  CUDA_OK(cudaDeviceSynchronize());
+done:
+  cudaFree(d_off);
+  cudaFree(d_x);
+  cudaFree(d_xs);
+  cudaFree(d_rw);
+  cudaFree(d_out);
+  cudaFree(d_ws);
+  mm_sm90_layer_destroy(L);
+  mm_qmat_free(&ex.w13);
+  mm_qmat_free(&ex.w2);
+}
+
 int main(void) {
   if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
@@ -648,5 +723,6 @@ int main(void) {
   RUN(test_mode1_extreme_exponents);
   RUN(test_mode4_extreme_exponents);
   RUN(test_exact_sums);
+  RUN(test_prefill_workspace);
   return mm_test_done();
 }
