@@ -41,6 +41,7 @@
 #include "moe_sm90_impl.h"
 #include "sm90_ptx.h"
 #include "sm90_record_decode.h"
+#include "sm90_ss_kblock.h"
 
 extern "C" {
 #include "formats.h"
@@ -233,10 +234,7 @@ __global__ void __launch_bounds__(384, 1)
   const int c = wg - 1, t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
   const int aoff = G::kSplitN ? 0 : 64 * c, boff = G::kSplitN ? 128 * c : 0;
   const int r0 = 16 * w + l / 4; /* rows r0, r0 + 8 of the warpgroup's 64 */
-  uint32_t peer_empty;
-  /* the peer's barrier: a plain (CTA-scope release) remote arrive; with
-   * .release.cluster every arrive waited for a cluster-scope fence and the
-   * probe ran at half speed (docs/PERF.md, version 20) */
+  uint32_t peer_empty; /* the peer CTA's empty barriers */
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_empty) : "r"(smem_u32(empty)), "r"(crank ^ 1));
   float silu_c = 0.0f;
   if (GEMM == 1 && p.clamp > 0.0f) silu_c = p.clamp / (1.0f + expf(-p.clamp)); /* = the table's silu */
@@ -259,28 +257,11 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < 64; i++) fin[i] = 0.f;
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
-      uint8_t *st = sm + stage * G::kStage;
-      const uint64_t da = desc_b(smem_u32(st + aoff * 128)), db = desc_b(smem_u32(st + G::kA + boff * 128));
-      wg_fence();
-#pragma unroll
-      for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
-      wg_commit();
-      wg_wait<0>();
-      const float *sc = (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff;
-      const float s0 = sc[r0], s1 = sc[r0 + 8];
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      if (l == 0) {
-        mbar_arrive(&empty[stage]);
-        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty + 8 * stage) : "memory");
-      }
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);
-        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
-        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
-        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
-      }
+      const uint8_t *st = sm + stage * G::kStage;
+      /* the scale box starts at row0 & ~3 */
+      ss_kblock<true>(st + aoff * 128, st + G::kA + boff * 128,
+                      (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff, r0,
+                      &empty[stage], peer_empty + 8 * stage, acc, fin);
       if (++stage == G::kStages) {
         stage = 0;
         phase ^= 1;

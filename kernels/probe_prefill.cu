@@ -13,6 +13,7 @@
 #include "moe_sm90_impl.h"
 #include "sm90_ptx.h"
 #include "sm90_record_decode.h"
+#include "sm90_ss_kblock.h"
 
 extern "C" {
 #include "probe_prefill.h"
@@ -283,32 +284,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < 64; i++) fin[i] = 0.f;
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
-      uint8_t *st = sm + stage * G::kStage;
-      const uint64_t da = desc_b(smem_u32(st + aoff * 128)), db = desc_b(smem_u32(st + G::kA + boff * 128));
-      wg_fence();
-#pragma unroll
-      for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
-      wg_commit();
-      wg_wait<0>();
-      const float *sc = (const float *)(st + G::kA + G::kB);
-      const float s0 = sc[r0], s1 = sc[r0 + 8];
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      if (kCluster) {
-        __syncwarp();
-        if (l == 0) {
-          mbar_arrive(&empty[stage]);
-          asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty + 8 * stage) : "memory");
-        }
-      } else {
-        mbar_arrive(&empty[stage]);
-      }
-#pragma unroll
-      for (int j = 0; j < 16; j++) {
-        fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);
-        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
-        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
-        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
-      }
+      const uint8_t *st = sm + stage * G::kStage;
+      ss_kblock<kCluster>(st + aoff * 128, st + G::kA + boff * 128,
+                          (const float *)(st + G::kA + G::kB), r0, &empty[stage],
+                          peer_empty + 8 * stage, acc, fin);
       if (++stage == G::kStages) {
         stage = 0;
         phase ^= 1;

@@ -1,0 +1,52 @@
+/* sm90_ss_kblock.h -- one 128-wide K block of the tokens-as-A SS GEMM (the
+ * prefill path, moe_sm90_prefill.cu, and its probe, probe_prefill.cu):
+ * C++/CUDA only; include after sm90_ptx.h. Everything sits in the including
+ * file's unnamed namespace. */
+#ifndef MM_SM90_SS_KBLOCK_H
+#define MM_SM90_SS_KBLOCK_H
+
+namespace {
+
+/* A consumer warpgroup's K block: four m64n128k32 MMAs from the stage's
+ * token tile (a: its 64 rows) and weight tile (b: its 128 rows), both
+ * K-major with 128B swizzle; then fin += acc times the token scale of the
+ * thread's rows r0 and r0 + 8 (sc: the stage's scales of the warpgroup's
+ * rows), the one promotion per block. The stage is released as soon as its
+ * last read is done: with clusters by lane 0 of each warp, on this CTA's
+ * barrier and the peer's (a plain, CTA-scope remote arrive: with
+ * .release.cluster each waited for a cluster-scope fence and the probe ran
+ * at half speed, docs/PERF.md version 20), the lanes' reads ordered before
+ * it by their proxy fences and the warp barrier; else by every thread. */
+template <bool kCluster>
+__device__ __forceinline__ void ss_kblock(const uint8_t *a, const uint8_t *b, const float *sc,
+                                          int r0, uint64_t *empty, uint32_t peer_empty,
+                                          float (&acc)[64], float (&fin)[64]) {
+  const uint64_t da = desc_b(smem_u32(a)), db = desc_b(smem_u32(b));
+  wg_fence();
+#pragma unroll
+  for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
+  wg_commit();
+  wg_wait<0>();
+  const float s0 = sc[r0], s1 = sc[r0 + 8];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  if (kCluster) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) {
+      mbar_arrive(empty);
+      asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty) : "memory");
+    }
+  } else {
+    mbar_arrive(empty);
+  }
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);
+    fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
+    fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
+    fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+  }
+}
+
+}  // namespace
+
+#endif
