@@ -50,6 +50,11 @@ extern "C" {
 namespace {
 
 constexpr int kChunk = MM_SM90_PREFILL_CHUNK; /* experts per launch pair */
+/* CTAs per cluster, each copying 1 / kClusterSize of the weight tile into
+ * all: clusters of 4 were no faster at M = 32768 and 8% slower on routed
+ * loads, whose odd tile counts leave more CTAs without rows (docs/PERF.md,
+ * version 21) */
+constexpr int kClusterSize = 2;
 
 struct PfParams {
   const uint8_t *w;   /* layer records */
@@ -70,10 +75,13 @@ struct PfParams {
   uint16_t *out;     /* [M][N] BF16 */
   const int32_t *out_rows;
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
+  const uint8_t *wdec; /* the weight workspace (host side: its copy maps) */
+  int E_chunk;       /* experts the workspace holds */
 };
 
-template <int GEMM>
+template <int GEMM, int CS>
 struct PfCfg {
+  static constexpr int kCS = CS; /* CTAs per cluster: each copies 1 / CS of the weight tile */
   static constexpr bool kSplitN = GEMM == 1;
   static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
   static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
@@ -105,23 +113,24 @@ __device__ __forceinline__ float to_bf16_value(float x) {
 
 /* A work unit: expert e (of the launch), token tile mt (of the expert's),
  * column tile nt; row0 the pool row of the tile's first token (a tile past
- * the expert's rows, the second of an odd pair, re-reads its first tile),
+ * the expert's rows, in a cluster's last set, re-reads its first tile),
  * valid its rows of the expert. */
 struct PfUnit {
   int e, nt, row0, valid;
 };
 
-template <int GEMM>
+template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
                    const __grid_constant__ CUtensorMap tw) {
-  using G = PfCfg<GEMM>;
+  using G = PfCfg<GEMM, CS>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t *full = (uint64_t *)(sm + G::kOffBar), *empty = full + G::kStages;
-  /* units: each expert's token tiles in pairs (one per CTA of a cluster)
-   * times the column tiles; decode tasks: 16 records of a 64-row tile */
+  /* units: each expert's token tiles in groups of CS (one per CTA of a
+   * cluster) times the column tiles; decode tasks: 16 records of a 64-row
+   * tile */
   int *uoff = (int *)(sm + G::kOffSched), *toff = uoff + kChunk + 1;
   int *rbeg = toff + kChunk + 1, *rend = rbeg + kChunk + 1; /* each expert's pool rows */
   const int wg = threadIdx.x / 128, KB = p.K / 128, NT = p.N / G::BN;
@@ -131,7 +140,7 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < G::kStages; s++) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 16); /* one arrive per consumer warp of both CTAs */
+      mbar_init(&empty[s], 8 * CS); /* one arrive per consumer warp of every CTA */
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     uoff[0] = toff[0] = 0;
@@ -142,7 +151,7 @@ __global__ void __launch_bounds__(384, 1)
       const int mt = (b - a + G::BM - 1) / G::BM;
       rbeg[e] = a;
       rend[e] = b;
-      uoff[e + 1] = uoff[e] + (mt + 1) / 2 * NT;
+      uoff[e + 1] = uoff[e] + (mt + CS - 1) / CS * NT;
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
     }
   }
@@ -154,15 +163,15 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
   cluster_sync();
-  const int ustep = gridDim.x / 2, ufirst = blockIdx.x / 2, nunits = uoff[p.E];
+  const int ustep = gridDim.x / CS, ufirst = blockIdx.x / CS, nunits = uoff[p.E];
   int cur = 0;
   auto unit_of = [&](int u) {
     while (uoff[cur + 1] <= u) cur++;
     PfUnit un;
     un.e = cur;
-    const int pairs = (uoff[cur + 1] - uoff[cur]) / NT, v = u - uoff[cur];
-    const int mt = 2 * (v % pairs) + (int)crank;
-    un.nt = v / pairs;
+    const int sets = (uoff[cur + 1] - uoff[cur]) / NT, v = u - uoff[cur];
+    const int mt = CS * (v % sets) + (int)crank;
+    un.nt = v / sets;
     const int a = rbeg[cur];
     un.valid = min(max(rend[cur] - a - mt * G::BM, 0), G::BM);
     un.row0 = un.valid > 0 ? a + mt * G::BM : a;
@@ -202,7 +211,7 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile("fence.proxy.async.global;" ::: "memory");
           e_ready = un.e;
         }
-        const int brow = un.e * p.N + un.nt * G::BN + (int)crank * (G::BN / 2);
+        const int brow = un.e * p.N + un.nt * G::BN + (int)crank * (G::BN / CS);
         for (int kb = 0; kb < KB; kb++) {
           mbar_wait(&empty[stage], phase ^ 1);
           uint8_t *st = sm + stage * G::kStage;
@@ -211,9 +220,9 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile(
               "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes."
               "multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(
-                  smem_u32(st + G::kA + (int)crank * (G::BN / 2) * 128)),
+                  smem_u32(st + G::kA + (int)crank * (G::BN / CS) * 128)),
               "l"((uint64_t)&tb), "r"(kb * 128), "r"(brow), "r"(smem_u32(&full[stage])),
-              "h"((uint16_t)3)
+              "h"((uint16_t)((1u << CS) - 1))
               : "memory");
           /* the token scales from row0 & ~3: a box's first element must
            * sit 16-byte aligned (an unaligned one is an illegal
@@ -234,8 +243,12 @@ __global__ void __launch_bounds__(384, 1)
   const int c = wg - 1, t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
   const int aoff = G::kSplitN ? 0 : 64 * c, boff = G::kSplitN ? 128 * c : 0;
   const int r0 = 16 * w + l / 4; /* rows r0, r0 + 8 of the warpgroup's 64 */
-  uint32_t peer_empty; /* the peer CTA's empty barriers */
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer_empty) : "r"(smem_u32(empty)), "r"(crank ^ 1));
+  uint32_t peer_empty[CS - 1]; /* the other CTAs' empty barriers */
+#pragma unroll
+  for (int i = 0; i < CS - 1; i++)
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(peer_empty[i])
+                 : "r"(smem_u32(empty)), "r"((crank + 1 + i) % CS));
   float silu_c = 0.0f;
   if (GEMM == 1 && p.clamp > 0.0f) silu_c = p.clamp / (1.0f + expf(-p.clamp)); /* = the table's silu */
   int stage = 0, it = 0;
@@ -259,9 +272,12 @@ __global__ void __launch_bounds__(384, 1)
       mbar_wait(&full[stage], phase);
       const uint8_t *st = sm + stage * G::kStage;
       /* the scale box starts at row0 & ~3 */
-      ss_kblock<true>(st + aoff * 128, st + G::kA + boff * 128,
-                      (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff, r0,
-                      &empty[stage], peer_empty + 8 * stage, acc, fin);
+      uint32_t peer[CS - 1];
+#pragma unroll
+      for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * stage;
+      ss_kblock<CS>(st + aoff * 128, st + G::kA + boff * 128,
+                    (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff, r0,
+                    &empty[stage], peer, acc, fin);
       if (++stage == G::kStages) {
         stage = 0;
         phase ^= 1;
@@ -369,9 +385,9 @@ __global__ void __launch_bounds__(384, 1)
   cluster_sync();
 }
 
-/* Clusters of 2 that fit at once, per device (a cluster sits in one GPC:
- * not every SM may hold one). */
-template <int GEMM>
+/* CTAs in the clusters of CS that fit at once, per device (a cluster sits
+ * in one GPC: not every SM may hold one). */
+template <int GEMM, int CS>
 mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices];
@@ -380,36 +396,40 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
   int n = dev < kMaxDevices ? cached[dev].load() : 0;
   if (!n) {
     int clusters = 0;
-    MM_CUDA_TRY(cudaOccupancyMaxActiveClusters(&clusters, prefill_kernel<GEMM>, &cfg));
-    MM_ARG_CHECK(clusters > 0, "sm90 prefill: no cluster of 2 CTAs fits");
-    n = 2 * clusters;
+    MM_CUDA_TRY(cudaOccupancyMaxActiveClusters(&clusters, prefill_kernel<GEMM, CS>, &cfg));
+    MM_ARG_CHECK(clusters > 0, "sm90 prefill: no cluster of %d CTAs fits", CS);
+    n = CS * clusters;
     if (dev < kMaxDevices) cached[dev].store(n);
   }
   *ctas = n;
   return NULL;
 }
 
-template <int GEMM>
+template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, cudaStream_t st) {
-  using G = PfCfg<GEMM>;
-  auto kern = prefill_kernel<GEMM>;
+               const CUtensorMap &tw, cudaStream_t st) {
+  using G = PfCfg<GEMM, CS>;
+  auto kern = prefill_kernel<GEMM, CS>;
+  /* the weight tile's copies: 1 / CS of its rows per CTA */
+  CUtensorMap tb;
+  MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.wdec, p.K, (uint64_t)p.E_chunk * p.N, p.K,
+                  128, G::BN / CS, true));
   /* per call: a function attribute belongs to one device's context */
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
   cudaLaunchConfig_t cfg;
   memset(&cfg, 0, sizeof(cfg));
   cudaLaunchAttribute at;
   at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = 2;
+  at.val.clusterDim.x = CS;
   at.val.clusterDim.y = at.val.clusterDim.z = 1;
-  cfg.gridDim = dim3(2);
+  cfg.gridDim = dim3(CS);
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = G::kBytes;
   cfg.stream = st;
   cfg.attrs = &at;
   cfg.numAttrs = 1;
   int ctas = 0;
-  MM_TRY(grid_size<GEMM>(cfg, &ctas));
+  MM_TRY((grid_size<GEMM, CS>(cfg, &ctas)));
   cfg.gridDim = dim3(ctas);
   MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw));
   return NULL;
@@ -438,22 +458,22 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int chunks = (L->E + kChunk - 1) / kChunk;
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E), st));
-  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
+  CUtensorMap x1, s1, x2, s2, ww1, ww2;
   const int ec = L->E < kChunk ? L->E : kChunk;
-  MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, PfCfg<1>::BM, true));
+  using C1 = PfCfg<1, kClusterSize>;
+  using C2 = PfCfg<2, kClusterSize>;
+  MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
-                  PfCfg<1>::kScaleBox, 1, false));
-  MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, PfCfg<2>::BM, true));
+                  C1::kScaleBox, 1, false));
+  MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM, true));
   MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp,
-                  PfCfg<2>::kScaleBox, 1, false));
-  MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
-                  PfCfg<1>::BN / 2, true));
+                  C2::kScaleBox, 1, false));
+  /* the decode's tensor stores: 32 x 128 tiles */
   MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
                   32, true));
-  MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128,
-                  PfCfg<2>::BN / 2, true));
   MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128, 32,
                   true));
+
   PfParams p;
   memset(&p, 0, sizeof(p));
   p.w = L->d_w;
@@ -470,6 +490,8 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.as_t = ws->as_t;
   p.out = pool->out;
   p.out_rows = pool->out_rows;
+  p.wdec = ws->wdec;
+  p.E_chunk = ec;
   for (int ch = 0; ch < chunks; ch++) {
     p.e0 = ch * kChunk;
     p.E = L->E - p.e0 < kChunk ? L->E - p.e0 : kChunk;
@@ -479,14 +501,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY(launch<1>(p, x1, s1, wb1, ww1, st));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, ww1, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY(launch<2>(p, x2, s2, wb2, ww2, st));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, ww2, st)));
   }
   return NULL;
 }

@@ -285,9 +285,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
       const uint8_t *st = sm + stage * G::kStage;
-      ss_kblock<kCluster>(st + aoff * 128, st + G::kA + boff * 128,
-                          (const float *)(st + G::kA + G::kB), r0, &empty[stage],
-                          peer_empty + 8 * stage, acc, fin);
+      const uint32_t peer[1] = {peer_empty + 8 * stage};
+      ss_kblock<kCluster ? 2 : 1>(st + aoff * 128, st + G::kA + boff * 128,
+                                  (const float *)(st + G::kA + G::kB), r0, &empty[stage], peer,
+                                  acc, fin);
       if (++stage == G::kStages) {
         stage = 0;
         phase ^= 1;

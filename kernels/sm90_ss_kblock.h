@@ -12,14 +12,16 @@ namespace {
  * K-major with 128B swizzle; then fin += acc times the token scale of the
  * thread's rows r0 and r0 + 8 (sc: the stage's scales of the warpgroup's
  * rows), the one promotion per block. The stage is released as soon as its
- * last read is done: with clusters by lane 0 of each warp, on this CTA's
- * barrier and the peer's (a plain, CTA-scope remote arrive: with
+ * last read is done: in clusters of kCS > 1 CTAs (whose copies write into
+ * every CTA's stage) by lane 0 of each warp, on this CTA's barrier and on
+ * the kCS - 1 peers' (peer_empty: their barriers' shared::cluster
+ * addresses, stage offset included; plain, CTA-scope remote arrives: with
  * .release.cluster each waited for a cluster-scope fence and the probe ran
  * at half speed, docs/PERF.md version 20), the lanes' reads ordered before
  * it by their proxy fences and the warp barrier; else by every thread. */
-template <bool kCluster>
+template <int kCS>
 __device__ __forceinline__ void ss_kblock(const uint8_t *a, const uint8_t *b, const float *sc,
-                                          int r0, uint64_t *empty, uint32_t peer_empty,
+                                          int r0, uint64_t *empty, const uint32_t *peer_empty,
                                           float (&acc)[64], float (&fin)[64]) {
   const uint64_t da = desc_b(smem_u32(a)), db = desc_b(smem_u32(b));
   wg_fence();
@@ -29,11 +31,13 @@ __device__ __forceinline__ void ss_kblock(const uint8_t *a, const uint8_t *b, co
   wg_wait<0>();
   const float s0 = sc[r0], s1 = sc[r0 + 8];
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  if (kCluster) {
+  if (kCS > 1) {
     __syncwarp();
     if (threadIdx.x % 32 == 0) {
       mbar_arrive(empty);
-      asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty) : "memory");
+#pragma unroll
+      for (int i = 0; i < kCS - 1; i++)
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(peer_empty[i]) : "memory");
     }
   } else {
     mbar_arrive(empty);
