@@ -96,7 +96,8 @@ struct PfCfg {
   static constexpr int kOffDec = kOffStg + kStg;   /* 1024-aligned: swizzled tiles */
   static constexpr int kOffLut = kOffDec + kDec;   /* compact fold table, 256-aligned */
   static constexpr int kOffFac = kOffLut + 256;    /* row factors [2 wg][2 parity][128] */
-  static constexpr int kOffRed = kOffFac + 2048;   /* L1 amax [2 parity][2 wg][64] */
+  static constexpr int kOffRed = kOffFac + 2048;   /* L1 amax [2 parity][2 wg][64]; L2
+                                                      out rows [2 wg][2 parity][64] */
   static constexpr int kOffSched = kOffRed + 1024; /* unit and task prefixes, offsets */
   static constexpr int kOffBar = kOffSched + 1024;
   static constexpr int kBytes = kOffBar + 256 + 1024;
@@ -266,6 +267,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int rr = 0; rr < 2; rr++)
         if (r0 + 8 * rr < un.valid) rw[rr] = __ldg(p.row_weight + un.row0 + r0 + 8 * rr);
+    /* L2: the out row of token row t of the warpgroup's 64 (the caller's
+     * map, else the pool row; -1 past the expert's rows), loaded now and
+     * shared through shared memory: one map load per row instead of one
+     * per 16-byte copy, its latency under the K loop */
+    int orow_t = -1;
+    if (GEMM == 2 && t < 64 && aoff + t < un.valid)
+      orow_t = p.out_rows ? __ldg(p.out_rows + un.row0 + aoff + t) : un.row0 + aoff + t;
 #pragma unroll
     for (int i = 0; i < 64; i++) fin[i] = 0.f;
     for (int kb = 0; kb < KB; kb++) {
@@ -288,6 +296,7 @@ __global__ void __launch_bounds__(384, 1)
      * every thread of the warpgroup meets after its previous copy-out) */
     float *facs = (float *)(sm + G::kOffFac) + (2 * c + parity) * 128;
     facs[t] = fac;
+    if (GEMM == 2 && t < 64) ((int *)(sm + G::kOffRed))[(2 * c + parity) * 64 + t] = orow_t;
     named_sync(1 + c, 128);
     if (GEMM == 1) {
       /* accumulator column 8j + 2q + b: gate when j is even, the up of the
@@ -352,14 +361,7 @@ __global__ void __launch_bounds__(384, 1)
       /* BF16 tile in staging: row r's 16-byte chunk j at j ^ (r % 8), so
        * the 8 rows of a store (r % 8 = g) fall in different banks */
       uint8_t *stg = sm + G::kOffStg + c * 16384;
-      int orow[8];
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int row = t / 16 + 8 * i;
-        orow[i] = aoff + row >= un.valid ? -1
-                  : p.out_rows          ? __ldg(p.out_rows + un.row0 + aoff + row)
-                                        : un.row0 + aoff + row;
-      }
+      const int *orows = (const int *)(sm + G::kOffRed) + (2 * c + parity) * 64;
 #pragma unroll
       for (int j = 0; j < 16; j++)
 #pragma unroll
@@ -375,9 +377,9 @@ __global__ void __launch_bounds__(384, 1)
        * bug and is not followed into foreign memory */
 #pragma unroll
       for (int i = 0; i < 8; i++) {
-        const int row = t / 16 + 8 * i, ck = t % 16;
-        if ((unsigned)orow[i] < (unsigned)p.M)
-          *(uint4 *)(p.out + (size_t)orow[i] * p.N + un.nt * 128 + ck * 8) =
+        const int row = t / 16 + 8 * i, ck = t % 16, orow = orows[row];
+        if ((unsigned)orow < (unsigned)p.M)
+          *(uint4 *)(p.out + (size_t)orow * p.N + un.nt * 128 + ck * 8) =
               *(const uint4 *)(stg + row * 256 + ((ck ^ (row & 7)) << 4));
       }
     }
