@@ -419,17 +419,8 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   /* per call: a function attribute belongs to one device's context */
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
   cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof(cfg));
   cudaLaunchAttribute at;
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = CS;
-  at.val.clusterDim.y = at.val.clusterDim.z = 1;
-  cfg.gridDim = dim3(CS);
-  cfg.blockDim = dim3(384);
-  cfg.dynamicSmemBytes = G::kBytes;
-  cfg.stream = st;
-  cfg.attrs = &at;
-  cfg.numAttrs = 1;
+  cluster_launch_config(&cfg, &at, CS, 384, G::kBytes, st);
   int ctas = 0;
   MM_TRY((grid_size<GEMM, CS>(cfg, &ctas)));
   cfg.gridDim = dim3(ctas);

@@ -358,17 +358,9 @@ mm_err *launch(const mm_probe_problem &p, cudaStream_t st) {
   MM_CUDA_TRY(cudaGetDevice(&dev));
   MM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof(cfg));
   cudaLaunchAttribute at;
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = kCluster ? 2 : 1;
-  at.val.clusterDim.y = at.val.clusterDim.z = 1;
+  cluster_launch_config(&cfg, &at, kCluster ? 2 : 1, 384, G::kBytes, st);
   cfg.gridDim = dim3(sms);
-  cfg.blockDim = dim3(384);
-  cfg.dynamicSmemBytes = G::kBytes;
-  cfg.stream = st;
-  cfg.attrs = &at;
-  cfg.numAttrs = 1;
   if (kCluster) { /* clusters sit inside a GPC: not every SM may hold one */
     int clusters = 0;
     MM_CUDA_TRY(cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg));

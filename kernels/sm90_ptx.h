@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 extern "C" {
 #include "status.h"
@@ -138,6 +139,24 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
       fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
   }
   return fn;
+}
+
+/* A launch of CTAs of `threads` threads and `smem` bytes of dynamic shared
+ * memory, in clusters of `cs` along x, on `st`; the caller sets the grid
+ * (a multiple of cs). `at` must live until the launch. */
+inline void cluster_launch_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *at, int cs,
+                                  int threads, size_t smem, cudaStream_t st) {
+  memset(cfg, 0, sizeof(*cfg));
+  memset(at, 0, sizeof(*at));
+  at->id = cudaLaunchAttributeClusterDimension;
+  at->val.clusterDim.x = cs;
+  at->val.clusterDim.y = at->val.clusterDim.z = 1;
+  cfg->gridDim = dim3(cs);
+  cfg->blockDim = dim3(threads);
+  cfg->dynamicSmemBytes = smem;
+  cfg->stream = st;
+  cfg->attrs = at;
+  cfg->numAttrs = 1;
 }
 
 /* 2-D map over [outer, inner] (inner contiguous, rows row_bytes apart), box
