@@ -249,25 +249,26 @@ extern "C" void mm_sm90_layer_set_prefill(mm_sm90_layer *L, int allow) {
   if (L) L->prefill_off = !allow;
 }
 
-int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max) {
-  if (mm_sm90_prefill_unsupported(L)) return 0;
+/* The prefill path's rule, for the workspace plan and for AUTO:
+ * MEGAMOE_SM90_PREFILL=1 whenever the layer allows it, 0 never (docs/
+ * CONFIG.md), else from MM_SM90_PREFILL_MIN_ROWS rows per expert. */
+static int prefill_rule(const mm_sm90_layer *L, int rows) {
   const char *v = getenv("MEGAMOE_SM90_PREFILL");
-  if (v && v[0] == '0') return 0;
-  if (v && v[0] == '1') return 1;
-  return num_rows_max >= MM_SM90_PREFILL_MIN_ROWS * L->E;
+  if (v && (v[0] == '0' || v[0] == '1')) return v[0] == '1';
+  return rows >= MM_SM90_PREFILL_MIN_ROWS * L->E;
 }
 
-/* AUTO: the prefill path where the workspace holds its region and the pool
- * averages MM_SM90_PREFILL_MIN_ROWS rows per expert or more (the rows
- * hint, else the capacity); MEGAMOE_SM90_PREFILL=1 whenever it can, 0
- * never. */
+int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max) {
+  return !mm_sm90_prefill_unsupported(L) && prefill_rule(L, num_rows_max);
+}
+
+/* AUTO: the prefill path where the workspace holds its region (planned,
+ * and given in full) and the rule holds for the rows the call expects (the
+ * rows hint, else the capacity). */
 static int prefill_chosen(const mm_sm90_layer *L, const mm_expert_pool *pool,
                           const mm_sm90_ws *ws) {
-  if (!ws->wdec) return 0;
-  const char *v = getenv("MEGAMOE_SM90_PREFILL");
-  if (v && v[0] == '1') return 1;
-  const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
-  return rows >= MM_SM90_PREFILL_MIN_ROWS * L->E;
+  return ws->wdec &&
+         prefill_rule(L, pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max);
 }
 
 extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_expert_pool *pool,
@@ -296,11 +297,8 @@ extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_
   const char *why = mm_sm90_wgmma_unsupported(L);
   if (path == MM_SM90_PATH_WGMMA && why)
     return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 expert compute: WGMMA path: %s", why);
-  if (path == MM_SM90_PATH_PREFILL) {
-    const char *pf = mm_sm90_prefill_unsupported(L);
-    if (pf) return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 expert compute: prefill path: %s", pf);
-    return mm_sm90_run_prefill(L, pool, clamp, &ws, st);
-  }
+  /* refused there (UNIMPLEMENTED) where the layer does not allow it */
+  if (path == MM_SM90_PATH_PREFILL) return mm_sm90_run_prefill(L, pool, clamp, &ws, st);
   if (path == MM_SM90_PATH_SIMT || why) return mm_sm90_run_simt(L, pool, clamp, &ws, st);
   if (path == MM_SM90_PATH_AUTO && prefill_chosen(L, pool, &ws))
     return mm_sm90_run_prefill(L, pool, clamp, &ws, st);

@@ -75,8 +75,6 @@ struct PfParams {
   uint16_t *out;     /* [M][N] BF16 */
   const int32_t *out_rows;
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
-  const uint8_t *wdec; /* the weight workspace (host side: its copy maps) */
-  int E_chunk;       /* experts the workspace holds */
 };
 
 template <int GEMM, int CS>
@@ -279,10 +277,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int kb = 0; kb < KB; kb++) {
       mbar_wait(&full[stage], phase);
       const uint8_t *st = sm + stage * G::kStage;
-      /* the scale box starts at row0 & ~3 */
       uint32_t peer[CS - 1];
 #pragma unroll
       for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * stage;
+      /* the scale box starts at row0 & ~3 */
       ss_kblock<CS>(st + aoff * 128, st + G::kA + boff * 128,
                     (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff, r0,
                     &empty[stage], peer, acc, fin);
@@ -409,13 +407,9 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tw, cudaStream_t st) {
+               const CUtensorMap &tb, const CUtensorMap &tw, cudaStream_t st) {
   using G = PfCfg<GEMM, CS>;
   auto kern = prefill_kernel<GEMM, CS>;
-  /* the weight tile's copies: 1 / CS of its rows per CTA */
-  CUtensorMap tb;
-  MM_TRY(make_map(&tb, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.wdec, p.K, (uint64_t)p.E_chunk * p.N, p.K,
-                  128, G::BN / CS, true));
   /* per call: a function attribute belongs to one device's context */
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
   cudaLaunchConfig_t cfg;
@@ -451,7 +445,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int chunks = (L->E + kChunk - 1) / kChunk;
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E), st));
-  CUtensorMap x1, s1, x2, s2, ww1, ww2;
+  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
   const int ec = L->E < kChunk ? L->E : kChunk;
   using C1 = PfCfg<1, kClusterSize>;
   using C2 = PfCfg<2, kClusterSize>;
@@ -461,7 +455,12 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM, true));
   MM_TRY(make_map(&s2, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->as_t, Mp, I / 128, 4ull * Mp,
                   C2::kScaleBox, 1, false));
-  /* the decode's tensor stores: 32 x 128 tiles */
+  /* the weight tiles' copies (1 / kClusterSize of their rows per CTA) and
+   * the decode's tensor stores (32 x 128 tiles) */
+  MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
+                  C1::BN / kClusterSize, true));
+  MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128,
+                  C2::BN / kClusterSize, true));
   MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
                   32, true));
   MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128, 32,
@@ -483,8 +482,6 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.as_t = ws->as_t;
   p.out = pool->out;
   p.out_rows = pool->out_rows;
-  p.wdec = ws->wdec;
-  p.E_chunk = ec;
   for (int ch = 0; ch < chunks; ch++) {
     p.e0 = ch * kChunk;
     p.E = L->E - p.e0 < kChunk ? L->E - p.e0 : kChunk;
@@ -494,14 +491,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, ww1, st)));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, ww2, st)));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, st)));
   }
   return NULL;
 }
