@@ -29,6 +29,15 @@
     }                                                                                  \
   } while (0)
 
+/* Whether a GPU is visible; without one prints "<name>: no GPU" (the
+ * caller then exits 77, the automake skip status). */
+static inline int bench_have_gpu(const char *name) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) return 1;
+  printf("%s: no GPU\n", name);
+  return 0;
+}
+
 /* --warmup-ms: how long each measurement runs its operation before timing */
 static double g_warmup_ms = 0.0;
 static inline double now_ms(void) {

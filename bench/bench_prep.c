@@ -109,11 +109,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--inter")) I = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
   }
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    printf("bench_prep: no GPU\n");
-    return 77;
-  }
+  if (!bench_have_gpu("bench_prep")) return 77;
   struct cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   layer_bufs L;

@@ -301,11 +301,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "--E >= 1, --Me a multiple of 256, --iters >= 1\n");
     return 2;
   }
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    printf("bench_prefill_probe: no GPU\n");
-    return 77;
-  }
+  if (!bench_have_gpu("bench_prefill_probe")) return 77;
   struct cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   if (prop.major != 9) {
