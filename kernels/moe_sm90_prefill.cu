@@ -21,7 +21,8 @@
  * Per kernel: a persistent grid of clusters of 2 CTAs on neighbouring token
  * tiles of one expert, each CTA copying half of the weight tile into both
  * (multicast). One producer warpgroup (thread 0: copies; warps 1-3: decode)
- * and two consumer warpgroups.
+ * and two consumer warpgroups, each with two accumulators, so that a K
+ * block's MMAs run while the previous block's sums are promoted.
  * - L1: 64 x 256 tiles: 64 tokens and 256 layout rows of w13, the gates and
  *   ups of 128 channels (docs/LAYOUTS.md, "Row order"), 128 columns per
  *   warpgroup. The epilogue (SwiGLU, top-k weight, FP8 per 128 channels,
@@ -37,6 +38,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "moe_sm90_impl.h"
 #include "sm90_ptx.h"
@@ -55,6 +57,15 @@ constexpr int kChunk = MM_SM90_PREFILL_CHUNK; /* experts per launch pair */
  * loads, whose odd tile counts leave more CTAs without rows (docs/PERF.md,
  * version 21) */
 constexpr int kClusterSize = 2;
+/* K blocks per run of the consumers' two accumulators: runs of 8 were 2-5%
+ * faster than one accumulator at 24576-65536 rows, runs of 16 no faster
+ * (docs/PERF.md, version 22) */
+constexpr int kRun = 8;
+/* registers: the producer warpgroup (copies, decode: it spills at 64) and
+ * each consumer warpgroup (two accumulators and the promoted sums, 192);
+ * the pool of 384 x 168 must hold them */
+constexpr int kProducerRegs = 72, kConsumerRegs = 216;
+static_assert(kProducerRegs + 2 * kConsumerRegs <= 3 * 168, "register pool over-committed");
 
 struct PfParams {
   const uint8_t *w;   /* layer records */
@@ -178,6 +189,7 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   if (wg == 0) {
+    set_max_regs_dec<kProducerRegs>();
     if (threadIdx.x >= 32) { /* decoder warps */
       const int wj = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
       const uint8_t *lut = sm + G::kOffLut;
@@ -252,7 +264,31 @@ __global__ void __launch_bounds__(384, 1)
   if (GEMM == 1 && p.clamp > 0.0f) silu_c = p.clamp / (1.0f + expf(-p.clamp)); /* = the table's silu */
   int stage = 0, it = 0;
   uint32_t phase = 0;
-  float acc[64], fin[64];
+  float acc0[64], acc1[64], fin[64];
+  auto next_stage = [&]() {
+    if (++stage == G::kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  auto issue = [&](float(&acc)[64]) {
+    mbar_wait(&full[stage], phase);
+    const uint8_t *st = sm + stage * G::kStage;
+    ss_issue(st + aoff * 128, st + G::kA + boff * 128, acc);
+    const int s = stage;
+    next_stage();
+    return s;
+  };
+  /* the promotion of the block at stage s (its group in acc), kPending
+   * groups left in flight; sc0: the scales' offset in a stage */
+  auto promote = [&](float(&acc)[64], int s, const float *sc0, auto pending) {
+    uint32_t peer[CS - 1];
+#pragma unroll
+    for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * s;
+    const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kStage);
+    ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
+  };
+  set_max_regs_inc<kConsumerRegs>();
   for (int u = ufirst; u < nunits; u += ustep, it++) {
     const PfUnit un = unit_of(u);
     const int parity = it & 1;
@@ -274,21 +310,34 @@ __global__ void __launch_bounds__(384, 1)
       orow_t = p.out_rows ? __ldg(p.out_rows + un.row0 + aoff + t) : un.row0 + aoff + t;
 #pragma unroll
     for (int i = 0; i < 64; i++) fin[i] = 0.f;
-    for (int kb = 0; kb < KB; kb++) {
-      mbar_wait(&full[stage], phase);
-      const uint8_t *st = sm + stage * G::kStage;
-      uint32_t peer[CS - 1];
+    /* runs of kRun blocks in two accumulators: block i + 1's MMAs are
+     * queued before block i's promotion, so the warpgroup's tensor work
+     * does not stop for it. Nothing stays in flight across a loop's back
+     * edge: ptxas then serializes every MMA of the kernel. */
+    const float *sc0 = (const float *)(sm + G::kA + G::kB) + (un.row0 & 3) + aoff;
+    /* a run of n blocks, the first already issued into acc0 at stage s0;
+     * acc0 and acc1 alternate */
+    auto run = [&](auto len, int s0) {
+      constexpr int n = decltype(len)::value;
+      int s1 = 0;
 #pragma unroll
-      for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * stage;
-      /* the scale box starts at row0 & ~3 */
-      ss_kblock<CS>(st + aoff * 128, st + G::kA + boff * 128,
-                    (const float *)(st + G::kA + G::kB) + (un.row0 & 3) + aoff, r0,
-                    &empty[stage], peer, acc, fin);
-      if (++stage == G::kStages) {
-        stage = 0;
-        phase ^= 1;
+      for (int i = 0; i < n; i++) {
+        const bool more = i + 1 < n;
+        if (i % 2 == 0) {
+          if (more) s1 = issue(acc1);
+          if (more) promote(acc0, s0, sc0, std::integral_constant<int, 1>());
+          else promote(acc0, s0, sc0, std::integral_constant<int, 0>());
+        } else {
+          if (more) s0 = issue(acc0);
+          if (more) promote(acc1, s1, sc0, std::integral_constant<int, 1>());
+          else promote(acc1, s1, sc0, std::integral_constant<int, 0>());
+        }
       }
-    }
+    };
+    int kb = 0;
+    for (; kb + kRun <= KB; kb += kRun) run(std::integral_constant<int, kRun>(), issue(acc0));
+    for (; kb + 2 <= KB; kb += 2) run(std::integral_constant<int, 2>(), issue(acc0));
+    if (kb < KB) run(std::integral_constant<int, 1>(), issue(acc0));
     /* ---- epilogue: the factors into shared memory (one slot per parity:
      * a thread reaching the next unit's slot has passed this barrier, which
      * every thread of the warpgroup meets after its previous copy-out) */

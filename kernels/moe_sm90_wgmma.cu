@@ -499,14 +499,6 @@ struct Warps {
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kEntry * kThreads,
                 "register pool over-committed (setmaxnreg.inc would hang)");
 };
-template <int N>
-__device__ __forceinline__ void set_max_regs_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void set_max_regs_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
-}
 /* 2^e as FP32 without branches, equal to mm_sm90_pow2 for e in [-254, 255]
  * (the packers' reference exponents stay within about +-160): exact for
  * [-149, 127], 0 below (2^-150 is a tie to 0), +inf above; the product of
