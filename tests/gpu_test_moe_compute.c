@@ -42,11 +42,13 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
         uint8_t b;
         if (gran == 32) {
           b = (uint8_t)(extreme ? base - (int)(mm_test_rand_u64() % 15) : base - (int)(mm_test_rand_u64() % 5));
-          /* w2, every 7th row: its second 128-column block 30 binades
-           * lower, so that it keeps per-block references (no row anchor):
-           * w13's rows all take the packer's row anchor (references all 0,
-           * the mode 1 kernels without the reference multiply), w2's not */
-          if (j == 1 && r % 7 == 3 && g / 4 == 1) b = (uint8_t)(b - 30);
+          /* w2 up to 256 columns, every 7th row: its second 128-column
+           * block 30 binades lower, so that it keeps per-block references
+           * (no row anchor): w13's rows all take the packer's row anchor
+           * (references all 0, the mode 1 kernels without the reference
+           * multiply), w2's not. Wider w2s keep the anchor, so that the
+           * prefill path (reference 0 only) runs their long K loops. */
+          if (j == 1 && m->cols <= 256 && r % 7 == 3 && g / 4 == 1) b = (uint8_t)(b - 30);
         } else {
           do {
             b = (uint8_t)(0x20 + mm_test_rand_u64() % 0x38); /* 2^-3 .. ~2^3.9 */
@@ -553,6 +555,8 @@ static const shape k_shapes[] = {
     {256, 128, 5, k_counts_pair, 0, 0.0f, 0, 0, 0},
     /* more experts than the prefill path's chunk (MM_SM90_PREFILL_CHUNK) */
     {256, 128, 40, NULL, 9, 0.0f, 0, 0, 0},
+    /* 10 and 9 K blocks: the prefill path's runs of 8, 2 and 1 (kRun) */
+    {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
@@ -587,6 +591,8 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s1);
   const shape s2 = {256, 128, 32, NULL, 9, 0.0f, 0, 1, 0};
   run_case(MM_WMODE_G32_FP8, &s2);
+  const shape s3 = {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 1, 0}; /* runs of 8, 2, 1 */
+  run_case(MM_WMODE_G32_FP8, &s3);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
