@@ -13,6 +13,7 @@
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt|prefill|auto]
  *     [--profile-only] [--block-refs] [--loads uniform,skewed,random] [--out-rows]
+ *     [--prefill-experts n]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
  * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
@@ -30,6 +31,8 @@
  * --path: auto (the default) runs what the product picks per call (mode 1's
  * prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
  * WGMMA kernels); wgmma, prefill and simt force one;
+ * --prefill-experts: experts per launch pair of the prefill path
+ * (compute.prefill-experts; default the layer's, 16);
  * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
  * operation for t ms, then times its iterations: the H200 reaches its 700 W
  * power cap within about a second of prefill-sized work and lowers its clocks
@@ -83,6 +86,8 @@ int main(int argc, char **argv) {
   int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
   static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
   mm_sm90_path path = MM_SM90_PATH_AUTO;
+  int prefill_experts = 0; /* the layer's default */
+  const char *argv_prefill = "";
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -97,6 +102,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--out-rows")) out_rows = 1;
+    else if (!strcmp(a, "--prefill-experts")) prefill_experts = atoi(v), argv_prefill = v, i++;
     else if (!strcmp(a, "--path"))
       path = !strcmp(v, "simt")      ? MM_SM90_PATH_SIMT
              : !strcmp(v, "prefill") ? MM_SM90_PATH_PREFILL
@@ -142,17 +148,19 @@ int main(int argc, char **argv) {
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s%s; warm-up %.0f ms; "
-         "path %s\n",
+         "path %s; prefill experts per launch %s\n",
          prop.name, prop.multiProcessorCount, mode_name, E, H, I, iters,
          block_refs ? "; per-block references" : "", out_rows ? "; out rows mapped" : "",
          g_warmup_ms,
          path == MM_SM90_PATH_AUTO      ? "auto"
          : path == MM_SM90_PATH_PREFILL ? "prefill"
          : path == MM_SM90_PATH_SIMT    ? "simt"
-                                        : "wgmma");
+                                        : "wgmma",
+         prefill_experts ? argv_prefill : "default");
 
   mm_sm90_layer *L = NULL;
   OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));
+  mm_sm90_layer_set_prefill(L, 1, prefill_experts);
   const double wbytes_all = (double)mm_sm90_layer_device_bytes(L);
 
   /* ceilings */

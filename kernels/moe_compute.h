@@ -40,8 +40,11 @@ mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
 void mm_sm90_layer_destroy(mm_sm90_layer *layer);
 /* compute.prefill-path: allow (1, the default) or forbid (0) mode 1's
  * prefill path (moe_sm90_prefill.cu) for this layer; forbidden, its
- * workspace holds no prefill region. Set before sizing workspaces. */
-void mm_sm90_layer_set_prefill(mm_sm90_layer *layer, int allow);
+ * workspace holds no prefill region. compute.prefill-experts: experts per
+ * launch pair, whose decoded weights the region holds (1..32; 0: the
+ * default, MM_SM90_PREFILL_EXPERTS_DEFAULT; more than 32: 32). Set before
+ * sizing workspaces. */
+void mm_sm90_layer_set_prefill(mm_sm90_layer *layer, int allow, int experts);
 size_t mm_sm90_layer_device_bytes(const mm_sm90_layer *layer);
 
 /* The tokens this rank received, grouped by local expert (a contiguous pool).
@@ -80,7 +83,7 @@ typedef struct mm_expert_pool {
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 /* The least a compute call accepts: without the prefill path's weight
  * region (mode 1 from MM_SM90_PREFILL_MIN_ROWS rows per expert;
- * moe_sm90_impl.h), which a call given less than mm_sm90_workspace_bytes
+ * layout_sm90.h), which a call given less than mm_sm90_workspace_bytes
  * then does without. */
 size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *layer, int num_rows_max);
 

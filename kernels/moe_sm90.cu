@@ -226,11 +226,11 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
   if (mm_sm90_prefill_planned(L, num_rows_max)) {
     /* the prefill path's weights (the larger matrix of up to a chunk of
      * experts) and decode counts, after the plan's arrays */
-    const size_t ec = L->E < MM_SM90_PREFILL_CHUNK ? L->E : MM_SM90_PREFILL_CHUNK;
-    const size_t wdec = w.bytes, count = mm_sm90_align256(wdec + ec * 2 * L->I * (size_t)L->H);
+    const int chunk = mm_sm90_prefill_chunk(L);
+    const size_t wdec = w.bytes, count = wdec + mm_sm90_prefill_weight_bytes(L->H, L->I, chunk);
     w.wdec = b ? b + wdec : NULL;
     w.pf_count = b ? (int *)(b + count) : NULL;
-    w.bytes = mm_sm90_align256(count + mm_sm90_prefill_count_bytes(L->E));
+    w.bytes = wdec + mm_sm90_prefill_region_bytes(L->E, L->H, L->I, chunk);
   }
   return w;
 }
@@ -245,8 +245,10 @@ extern "C" size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *L, int num_ro
 
 /* ------------------------------------------------------------- dispatch ---- */
 
-extern "C" void mm_sm90_layer_set_prefill(mm_sm90_layer *L, int allow) {
-  if (L) L->prefill_off = !allow;
+extern "C" void mm_sm90_layer_set_prefill(mm_sm90_layer *L, int allow, int experts) {
+  if (!L) return;
+  L->prefill_off = !allow;
+  L->prefill_chunk = experts <= 0 ? 0 : experts < MM_SM90_PREFILL_CHUNK ? experts : MM_SM90_PREFILL_CHUNK;
 }
 
 /* The prefill path's rule, for the workspace plan and for AUTO:

@@ -24,6 +24,8 @@ struct mm_sm90_layer {
   int refs_zero13;     /* every reference exponent of w13 is 0 (zero_refs) */
   int refs_zero2;      /* of w2 */
   int prefill_off;     /* the prefill path turned off (mm_sm90_layer_set_prefill) */
+  int prefill_chunk;   /* its experts per launch pair (compute.prefill-experts),
+                          1..MM_SM90_PREFILL_CHUNK; 0: the default */
   size_t device_bytes;
   double fold_rel;     /* mode 3 relative Frobenius fold error */
 };
@@ -39,23 +41,17 @@ struct mm_sm90_ws {
   float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
   /* The prefill path's (moe_sm90_prefill.cu), where planned
    * (mm_sm90_prefill_planned), else NULL: */
-  uint8_t *wdec;   /* E4M3 weights of up to MM_SM90_PREFILL_CHUNK experts,
+  uint8_t *wdec;   /* E4M3 weights of mm_sm90_prefill_chunk experts,
                       [chunk][2I][H] (L1) or [chunk][H][I] (L2) */
-  int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes) */
+  int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes, layout_sm90.h) */
   size_t bytes;
   size_t base_bytes; /* without the prefill path's region */
 };
 
-/* The prefill path: experts per launch pair (its weight workspace holds
- * theirs), and the average rows per expert from which it runs (AUTO) and
- * from which a plan holds its workspace (docs/PERF.md, version 21). */
-#define MM_SM90_PREFILL_CHUNK 32
-#define MM_SM90_PREFILL_MIN_ROWS 768
-/* Per launch (two per chunk): a finished-task count per expert and a
- * claim counter. */
-static inline size_t mm_sm90_prefill_count_bytes(int E) {
-  const int chunks = (E + MM_SM90_PREFILL_CHUNK - 1) / MM_SM90_PREFILL_CHUNK;
-  return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 1);
+/* Experts per launch pair of layer L's prefill path. */
+static inline int mm_sm90_prefill_chunk(const mm_sm90_layer *L) {
+  const int c = L->prefill_chunk > 0 ? L->prefill_chunk : MM_SM90_PREFILL_EXPERTS_DEFAULT;
+  return c < L->E ? c : (L->E > 0 ? L->E : 1);
 }
 
 mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base);

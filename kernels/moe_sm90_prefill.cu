@@ -29,8 +29,8 @@
  *   ref_moe.h's order) writes the intermediate and its scales.
  * - L2: 128 x 128 tiles, 64 tokens per warpgroup; BF16 out through the row
  *   map.
- * At most kChunk experts per launch pair (the workspace holds their
- * weights); L2 reuses L1's workspace. */
+ * mm_sm90_prefill_chunk experts (compute.prefill-experts, at most kChunk)
+ * per launch pair, whose weights the workspace holds; L2 reuses L1's. */
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -51,7 +51,7 @@ extern "C" {
 
 namespace {
 
-constexpr int kChunk = MM_SM90_PREFILL_CHUNK; /* experts per launch pair */
+constexpr int kChunk = MM_SM90_PREFILL_CHUNK; /* the most experts per launch pair */
 /* CTAs per cluster, each copying 1 / kClusterSize of the weight tile into
  * all: clusters of 4 were no faster at M = 32768 and 8% slower on routed
  * loads, whose odd tile counts leave more CTAs without rows (docs/PERF.md,
@@ -491,11 +491,11 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
                "sm90 expert compute: pool x and out must be 16-byte aligned");
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
-  const int chunks = (L->E + kChunk - 1) / kChunk;
+  const int chunk = mm_sm90_prefill_chunk(L), chunks = (L->E + chunk - 1) / chunk;
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
-  MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E), st));
+  MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
   CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
-  const int ec = L->E < kChunk ? L->E : kChunk;
+  const int ec = chunk;
   using C1 = PfCfg<1, kClusterSize>;
   using C2 = PfCfg<2, kClusterSize>;
   MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM, true));
@@ -532,8 +532,8 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.out = pool->out;
   p.out_rows = pool->out_rows;
   for (int ch = 0; ch < chunks; ch++) {
-    p.e0 = ch * kChunk;
-    p.E = L->E - p.e0 < kChunk ? L->E - p.e0 : kChunk;
+    p.e0 = ch * chunk;
+    p.E = L->E - p.e0 < chunk ? L->E - p.e0 : chunk;
     /* L1 */
     p.mat_off = 0;
     p.rs = L->d_rs13;

@@ -125,7 +125,9 @@ static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, in
     int gran = experts && num_local > 0 ? experts[0].w13.gran : 0;
     const mm_weight_mode wm = choose_mode(op, gran);
     err = mm_sm90_layer_create(experts, num_local, wm, stream ? stream : (void *)s->stream, &L);
-    if (!err) mm_sm90_layer_set_prefill(L, op->cfg.compute_prefill_path != MM_PREFILL_OFF);
+    if (!err)
+      mm_sm90_layer_set_prefill(L, op->cfg.compute_prefill_path != MM_PREFILL_OFF,
+                                op->cfg.compute_prefill_experts);
   }
   /* The canonical copy is not needed once the device layout exists. */
   mm_experts_free(experts, num_local);

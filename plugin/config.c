@@ -75,7 +75,7 @@ static const int log_values[] = {0, 1, 2, 3};
 
 enum {
   K_SCHEMA, K_GRAN_K, K_REQUANT_POLICY, K_REQUANT_MAX_REL, K_COMPUTE_MODE, K_COMPUTE_MAX_REL,
-  K_COMPUTE_PREFILL,
+  K_COMPUTE_PREFILL, K_COMPUTE_PREFILL_EXPERTS,
   K_HIDDEN, K_INTER, K_EXPERTS, K_TOP_K, K_SCALING, K_CLAMP, K_CONFIG_JSON,
   K_EP_SIZE, K_MAX_TOKENS, K_DISPATCH_MODE, K_LL_MAX_TOKENS, K_BACKEND,
   K_CPU_THREADS, K_COMM_TIMEOUT, K_LOG_LEVEL, NUM_KEYS
@@ -91,6 +91,8 @@ static const key_def keys[NUM_KEYS] = {
   [K_COMPUTE_MAX_REL] = {"compute.max-rel-error", FIELD(compute_max_rel_error),
                          DBL(0.0, 1.0), .dmin_open = 1},
   [K_COMPUTE_PREFILL] = {"compute.prefill-path", FIELD(compute_prefill_path), ENUM(prefill)},
+  [K_COMPUTE_PREFILL_EXPERTS] = {"compute.prefill-experts", FIELD(compute_prefill_experts),
+                                 INT(1, 32)},
   [K_HIDDEN] = {"model.hidden-size", FIELD(model.hidden_size), INT(128, 65536),
                 .multiple = 128, .json = {"hidden_size"}},
   [K_INTER] = {"model.moe-intermediate-size", FIELD(model.moe_intermediate_size),
@@ -126,6 +128,7 @@ void mm_config_defaults(mm_config *cfg) {
   cfg->compute_mode = MM_COMPUTE_AUTO;
   cfg->compute_max_rel_error = 0.02;
   cfg->compute_prefill_path = MM_PREFILL_AUTO;
+  cfg->compute_prefill_experts = 16; /* MM_SM90_PREFILL_EXPERTS_DEFAULT */
   cfg->model.hidden_size = 6144; /* GLM-5 */
   cfg->model.moe_intermediate_size = 2048;
   cfg->model.num_experts = 256;

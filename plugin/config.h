@@ -35,6 +35,8 @@ typedef struct mm_config {
                                          relative output error compute.mode auto may
                                          accept (default 0.02; plugin/mode_choice.h) */
   mm_prefill_path compute_prefill_path; /* compute.prefill-path: auto (default) or off */
+  int compute_prefill_experts; /* compute.prefill-experts: experts per launch pair of
+                                  the prefill path, 1..32 (default 16) */
   mm_model_config model;
   int ep_size;                 /* ep-size (default 1) */
   int num_max_tokens_per_rank; /* num-max-tokens-per-rank (default 4096) */

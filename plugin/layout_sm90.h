@@ -225,6 +225,32 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
   return w;
 }
 
+/* Mode 1's prefill path (kernels/moe_sm90_prefill.cu): the average rows
+ * per expert from which it runs (AUTO) and from which a plan holds its
+ * workspace region (docs/PERF.md, version 21); the most experts per launch
+ * pair; and its region after the plan's arrays for E local
+ * experts, `chunk` (1..MM_SM90_PREFILL_CHUNK) of them per launch pair: their
+ * decoded E4M3 weights (the larger matrix, 2 I x H bytes each) and, per
+ * launch (two per chunk), a finished-task count per expert and a claim
+ * counter. */
+#define MM_SM90_PREFILL_MIN_ROWS 768
+#define MM_SM90_PREFILL_CHUNK 32
+/* compute.prefill-experts' default: half the region of 32 (403 MB for
+ * GLM-5), 1-2% slower on the H200, and a plan at EP8 with 4096 tokens per
+ * rank stays at 1.34 GiB per rank (1.71 with 32; docs/PERF.md, version 22) */
+#define MM_SM90_PREFILL_EXPERTS_DEFAULT 16
+MM_SM90_HD size_t mm_sm90_prefill_weight_bytes(int H, int I, int chunk) {
+  return mm_sm90_align256((size_t)chunk * 2 * (size_t)I * (size_t)H);
+}
+MM_SM90_HD size_t mm_sm90_prefill_count_bytes(int E, int chunk) {
+  const int chunks = (E + chunk - 1) / chunk;
+  return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 1);
+}
+MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk) {
+  return mm_sm90_prefill_weight_bytes(H, I, chunk) +
+         mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk));
+}
+
 /* The prefill's token tiles: 1 where an expert of m rows takes 160-wide
  * token tiles rather than 128-wide ones. A 160-wide work unit costs about
  * 1.21 of a 128-wide one on the H200 (docs/PERF.md, version 10), and the

@@ -634,28 +634,49 @@ static void test_bad_args(void) {
   mm_qmat_free(&ex.w2);
 }
 
+/* A compute call's result: checked, then (after the device is done) its
+ * output copied to host. */
+static void fetch_out(mm_err *err, const void *d_out, uint16_t *host, size_t bytes) {
+  CHECK_OK(err);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(host, d_out, bytes, cudaMemcpyDeviceToHost));
+}
+/* NaN / Inf values of got, and values that differ from ref (BF16 bits). */
+static void count_diff(const uint16_t *got, const uint16_t *ref, size_t n, size_t *nan,
+                       size_t *diff) {
+  for (size_t i = 0; i < n; i++) {
+    *nan += (got[i] & 0x7F80) == 0x7F80;
+    *diff += got[i] != ref[i];
+  }
+}
+
 /* The prefill path's workspace region: a call given only the minimum runs
  * the WGMMA kernels (a plan made before the layers were prepared), a forced
- * prefill call refuses it, less than the minimum is refused; a layer with
- * the path turned off plans no region and refuses the forced path. */
+ * prefill call refuses it, less than the minimum is refused; one expert per
+ * launch pair (compute.prefill-experts) takes a third of the three experts'
+ * region and computes the same bits; a layer with the path turned off
+ * plans no region and refuses the forced path. */
 static void test_prefill_workspace(void) {
   mm_expert_q ex;
   memset(&ex, 0, sizeof(ex));
   make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0, 1); /* exact data: one reference per row */
+  const mm_expert_q exs[3] = {ex, ex, ex};
   mm_sm90_layer *L = NULL;
-  CHECK_OK(mm_sm90_layer_create(&ex, 1, MM_WMODE_G32_FP8, NULL, &L));
-  const int M = 70, H = 256;
-  const int offs[2] = {0, M};
+  CHECK_OK(mm_sm90_layer_create(exs, 3, MM_WMODE_G32_FP8, NULL, &L));
+  const int M = 70, H = 256, I = 128;
+  const int offs[4] = {0, 20, 20, M}; /* expert 1 empty */
+  const size_t out_bytes = 2 * (size_t)M * H;
   void *d_off = NULL, *d_x = NULL, *d_xs = NULL, *d_rw = NULL, *d_out = NULL, *d_ws = NULL;
+  uint16_t *got = malloc(out_bytes), *ref = malloc(out_bytes);
   if (!L) goto done;
   const size_t full = mm_sm90_workspace_bytes(L, M), least = mm_sm90_workspace_bytes_min(L, M);
   printf("# workspace for %d rows: %zu bytes, %zu without the prefill region\n", M, full, least);
-  CHECK(full > least);
+  CHECK(full >= least + 3 * (size_t)2 * I * H);
   CUDA_OK(cudaMalloc(&d_off, sizeof(offs)));
   CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
   CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * (size_t)M * (H / 128)));
   CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
-  CUDA_OK(cudaMalloc(&d_out, 2 * (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d_out, out_bytes));
   CUDA_OK(cudaMalloc(&d_ws, full));
   CUDA_OK(cudaMemcpy(d_off, offs, sizeof(offs), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(d_x, 0x38, (size_t)M * H)); /* 1.0 */
@@ -668,39 +689,43 @@ static void test_prefill_workspace(void) {
     free(h);
   }
   mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out, 0, NULL};
+  /* each call's output poisoned before it, checked and copied after it */
+  size_t nan = 0, diff = 0;
   /* the full region: the forced path runs (the exact data's matrices have
    * reference 0 everywhere, so it must not be refused) */
-  uint16_t *got = malloc(2 * (size_t)M * H), *ref = malloc(2 * (size_t)M * H);
-  CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H));
-  CHECK_OK(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, full, NULL, MM_SM90_PATH_PREFILL));
-  CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(ref, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
+  fetch_out(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, full, NULL, MM_SM90_PATH_PREFILL),
+            d_out, ref, out_bytes);
   /* the minimum: AUTO runs (the WGMMA kernels), the same bits on exact
    * data; the forced path is refused */
-  CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H));
-  CHECK_OK(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least, NULL));
-  CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
-  size_t nan = 0, diff = 0;
-  for (size_t i = 0; i < (size_t)M * H; i++) {
-    nan += (got[i] & 0x7F80) == 0x7F80;
-    diff += got[i] != ref[i];
-  }
-  CHECK_EQ_INT(nan, 0);
-  CHECK_EQ_INT(diff, 0);
-  free(got);
-  free(ref);
+  CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
+  fetch_out(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least, NULL), d_out, got, out_bytes);
+  count_diff(got, ref, (size_t)M * H, &nan, &diff);
   CHECK_ERR(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, least, NULL, MM_SM90_PATH_PREFILL),
             MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least - 1, NULL),
             MEGAMOE_CODE_INVALID_ARGUMENT);
+  /* one expert per launch pair: three launch pairs in a third of the
+   * weight region, the same bits */
+  mm_sm90_layer_set_prefill(L, 1, 1);
+  const size_t one = mm_sm90_workspace_bytes(L, M);
+  printf("# one expert per launch pair: %zu bytes\n", one);
+  CHECK(one < full && one >= least + (size_t)2 * I * H);
+  CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
+  fetch_out(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, one, NULL, MM_SM90_PATH_PREFILL),
+            d_out, got, out_bytes);
+  count_diff(got, ref, (size_t)M * H, &nan, &diff);
+  CHECK_EQ_INT(nan, 0);
+  CHECK_EQ_INT(diff, 0);
   /* turned off (compute.prefill-path: off) */
-  mm_sm90_layer_set_prefill(L, 0);
+  mm_sm90_layer_set_prefill(L, 0, 0);
   CHECK_EQ_INT(mm_sm90_workspace_bytes(L, M), least);
   CHECK_ERR(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, full, NULL, MM_SM90_PATH_PREFILL),
             MEGAMOE_CODE_UNIMPLEMENTED);
   CUDA_OK(cudaDeviceSynchronize());
 done:
+  free(got);
+  free(ref);
   cudaFree(d_off);
   cudaFree(d_x);
   cudaFree(d_xs);

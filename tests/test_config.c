@@ -59,6 +59,7 @@ static int config_equal(const mm_config *a, const mm_config *b) {
          a->compute_mode == b->compute_mode &&
          a->compute_max_rel_error == b->compute_max_rel_error &&
          a->compute_prefill_path == b->compute_prefill_path &&
+         a->compute_prefill_experts == b->compute_prefill_experts &&
          a->model.hidden_size == b->model.hidden_size &&
          a->model.moe_intermediate_size == b->model.moe_intermediate_size &&
          a->model.num_experts == b->model.num_experts && a->model.top_k == b->model.top_k &&
@@ -99,6 +100,8 @@ static void test_defaults(void) {
   CHECK(d.requant_max_rel_error == 0.25);
   CHECK_EQ_INT(d.compute_mode, MM_COMPUTE_AUTO);
   CHECK(d.compute_max_rel_error == 0.02);
+  CHECK_EQ_INT(d.compute_prefill_path, MM_PREFILL_AUTO);
+  CHECK_EQ_INT(d.compute_prefill_experts, 16);
   CHECK_EQ_INT(d.model.hidden_size, 6144);
   CHECK_EQ_INT(d.model.moe_intermediate_size, 2048);
   CHECK_EQ_INT(d.model.num_experts, 256);
@@ -186,7 +189,7 @@ static void test_every_key(void) {
       "requant:\n"
       "  policy: group16-to-group32\n"
       "  max-rel-error: 0.5\n"
-      "compute: {mode: bf16-exact, max-rel-error: 0.001, prefill-path: off}\n"
+      "compute: {mode: bf16-exact, max-rel-error: 0.001, prefill-path: off, prefill-experts: 8}\n"
       "model:\n"
       "  hidden-size: 4096\n"
       "  moe-intermediate-size: 1536\n"
@@ -210,6 +213,7 @@ static void test_every_key(void) {
       "compute.mode: \"bf16-exact\"\n"
       "compute.max-rel-error: 1e-3\n"
       "compute.prefill-path: off\n"
+      "compute.prefill-experts: 8\n"
       "model.hidden-size: +4096\n"
       "model.moe-intermediate-size: 1536\n"
       "model.num-experts: 160\n"
@@ -234,6 +238,7 @@ static void test_every_key(void) {
     CHECK_EQ_INT(c.compute_mode, MM_COMPUTE_BF16_EXACT);
     CHECK(c.compute_max_rel_error == 0.001);
     CHECK_EQ_INT(c.compute_prefill_path, MM_PREFILL_OFF);
+    CHECK_EQ_INT(c.compute_prefill_experts, 8);
     CHECK_EQ_INT(c.model.hidden_size, 4096);
     CHECK_EQ_INT(c.model.moe_intermediate_size, 1536);
     CHECK_EQ_INT(c.model.num_experts, 160);
@@ -387,6 +392,9 @@ static const bad_case bad_cases[] = {
     {"dispatch:\n  low-latency-max-tokens: -1\n", 2, 27, "out of range"},
     {"schema-version: 2", 1, 17, "schema-version: must be 1, got 2"},
     {"model:\n  top-k: 65\n", 2, 10, "out of range [1, 64]"},
+    {"compute:\n  prefill-experts: 0\n", 2, 20,
+     "compute.prefill-experts: 0 is out of range [1, 32]"},
+    {"compute.prefill-experts: 33", 1, 26, "out of range [1, 32]"},
     /* floats */
     {"requant:\n  max-rel-error: nan\n", 2, 18, "expected a finite number, got 'nan'"},
     {"requant:\n  max-rel-error: .inf\n", 2, 18, "expected a finite number"},

@@ -354,15 +354,25 @@ static void print_table(void) {
          "pinned host (KiB) |\n");
   printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int Rs[] = {8, 16, 64}, Ts[] = {128, 4096, 8192};
+  /* rows: modes 1 / 3, modes 2 / 4, then mode 1 with the prefill path's
+   * region (compute.prefill-experts 32, 16, 8) where a plan holds it */
+  const char *names[] = {"1 / 3 (fp8)", "2 / 4 (exact, F16)", "1 + prefill region, 32 experts",
+                         "1 + prefill region, 16 experts", "1 + prefill region, 8 experts"};
+  const int chunks[] = {0, 0, 32, 16, 8};
   for (int i = 0; i < 3; i++)
     for (int j = 0; j < 3; j++)
-      for (int m2 = 0; m2 < 2; m2++) {
+      for (int m2 = 0; m2 < 5; m2++) {
         mm_ep_size_args a = glm5(Rs[i], Ts[j]);
         mm_ep_sizes s;
         mm_err *e = mm_ep_size(&a, &s); /* pool rows do not depend on the workspace */
+        const int E = a.num_experts / a.ranks;
+        if (!e && chunks[m2] && s.pool_rows < (int64_t)MM_SM90_PREFILL_MIN_ROWS * E) continue;
         if (!e) {
-          a.workspace_bytes = sm90_ws(m2 ? MM_WMODE_G16_BF16_EXACT : MM_WMODE_G32_FP8, a.hidden,
+          a.workspace_bytes = sm90_ws(m2 == 1 ? MM_WMODE_G16_BF16_EXACT : MM_WMODE_G32_FP8, a.hidden,
                                       a.intermediate, s.pool_rows);
+          if (chunks[m2])
+            a.workspace_bytes += (int64_t)mm_sm90_prefill_region_bytes(
+                E, a.hidden, a.intermediate, chunks[m2] < E ? chunks[m2] : E);
           e = mm_ep_size(&a, &s);
         }
         if (e) {
@@ -371,7 +381,7 @@ static void print_table(void) {
         }
         printf("| %d | %d | %d | %lld | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.3f | %.1f |\n",
                Rs[i], Ts[j], a.ll_tokens, (long long)s.pool_rows, (long long)s.recv_rows,
-               m2 ? "2 / 4 (exact, F16)" : "1 / 3 (fp8)", s.workspace / 1048576.0, s.region_x / 1048576.0,
+               names[m2], s.workspace / 1048576.0, s.region_x / 1048576.0,
                s.region_y / 1048576.0, s.meta / 1048576.0, s.device_total / 1073741824.0,
                s.host_total / 1024.0);
       }
