@@ -314,6 +314,7 @@ __global__ void __launch_bounds__(384, 1)
      * queued before block i's promotion, so the warpgroup's tensor work
      * does not stop for it. Nothing stays in flight across a loop's back
      * edge: ptxas then serializes every MMA of the kernel. */
+    /* the warpgroup's token scales in a stage (the box starts at row0 & ~3) */
     const float *sc0 = (const float *)(sm + G::kA + G::kB) + (un.row0 & 3) + aoff;
     /* a run of n blocks, the first already issued into acc0 at stage s0;
      * acc0 and acc1 alternate */
@@ -322,15 +323,17 @@ __global__ void __launch_bounds__(384, 1)
       int s1 = 0;
 #pragma unroll
       for (int i = 0; i < n; i++) {
-        const bool more = i + 1 < n;
-        if (i % 2 == 0) {
-          if (more) s1 = issue(acc1);
-          if (more) promote(acc0, s0, sc0, std::integral_constant<int, 1>());
-          else promote(acc0, s0, sc0, std::integral_constant<int, 0>());
+        const std::integral_constant<int, 1> next_in_flight;
+        const std::integral_constant<int, 0> none_in_flight;
+        if (i + 1 == n) { /* the run's last block: wait for everything */
+          if (i % 2 == 0) promote(acc0, s0, sc0, none_in_flight);
+          else promote(acc1, s1, sc0, none_in_flight);
+        } else if (i % 2 == 0) {
+          s1 = issue(acc1);
+          promote(acc0, s0, sc0, next_in_flight);
         } else {
-          if (more) s0 = issue(acc0);
-          if (more) promote(acc1, s1, sc0, std::integral_constant<int, 1>());
-          else promote(acc1, s1, sc0, std::integral_constant<int, 0>());
+          s0 = issue(acc0);
+          promote(acc1, s1, sc0, next_in_flight);
         }
       }
     };
