@@ -47,6 +47,10 @@ if [ -x "$b" ]; then
     done
     echo "## bench_moe_compute --gran-k 32 --path wgmma --warmup-ms 1500 --M 32768 --loads uniform (sustained)"
     "$b" --gran-k 32 --path wgmma --warmup-ms 1500 --M 32768 --loads uniform
+    # the prefill path with 32 experts per launch pair (compute.prefill-experts;
+    # the default is 16: half the workspace, docs/PERF.md, version 22)
+    echo "## bench_moe_compute --gran-k 32 --prefill-experts 32 --warmup-ms 1500 --M 32768 --loads uniform (sustained)"
+    "$b" --gran-k 32 --prefill-experts 32 --warmup-ms 1500 --M 32768 --loads uniform
   fi
 fi
 
