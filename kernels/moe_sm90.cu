@@ -224,7 +224,7 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
   w.as_t = b ? (float *)(b + pl.as_t) : NULL;
   w.bytes = w.base_bytes = pl.bytes;
   if (mm_sm90_prefill_planned(L, num_rows_max)) {
-    /* the prefill path's weights (the larger matrix of up to a chunk of
+    /* the prefill path's weights (the larger matrix of a launch pair's
      * experts) and decode counts, after the plan's arrays */
     const int chunk = mm_sm90_prefill_chunk(L);
     const size_t wdec = w.bytes, count = wdec + mm_sm90_prefill_weight_bytes(L->H, L->I, chunk);

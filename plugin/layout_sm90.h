@@ -227,18 +227,19 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
 
 /* Mode 1's prefill path (kernels/moe_sm90_prefill.cu): the average rows
  * per expert from which it runs (AUTO) and from which a plan holds its
- * workspace region (docs/PERF.md, version 21); the most experts per launch
- * pair; and its region after the plan's arrays for E local
- * experts, `chunk` (1..MM_SM90_PREFILL_CHUNK) of them per launch pair: their
- * decoded E4M3 weights (the larger matrix, 2 I x H bytes each) and, per
- * launch (two per chunk), a finished-task count per expert and a claim
- * counter. */
+ * workspace region (docs/PERF.md, version 21), and the most experts per
+ * launch pair. */
 #define MM_SM90_PREFILL_MIN_ROWS 768
 #define MM_SM90_PREFILL_CHUNK 32
 /* compute.prefill-experts' default: half the region of 32 (403 MB for
- * GLM-5), 1-2% slower on the H200, and a plan at EP8 with 4096 tokens per
- * rank stays at 1.34 GiB per rank (1.71 with 32; docs/PERF.md, version 22) */
+ * GLM-5), 0.7-2% slower sustained on the H200, and a plan at EP8 with 4096
+ * tokens per rank stays at 1.34 GiB per rank (1.71 with 32; docs/PERF.md,
+ * version 22). */
 #define MM_SM90_PREFILL_EXPERTS_DEFAULT 16
+/* The path's region after the plan's arrays, for E local experts, `chunk`
+ * (1..MM_SM90_PREFILL_CHUNK) of them per launch pair: their decoded E4M3
+ * weights (the larger matrix, 2 I x H bytes each) and, per launch (two per
+ * chunk), a finished-task count per expert and a claim counter. */
 MM_SM90_HD size_t mm_sm90_prefill_weight_bytes(int H, int I, int chunk) {
   return mm_sm90_align256((size_t)chunk * 2 * (size_t)I * (size_t)H);
 }
