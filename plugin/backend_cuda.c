@@ -178,13 +178,20 @@ static mm_err *cuda_plan(mm_op *op, int max_tokens, void *stream, uint64_t *devi
   MM_TRY(mm_ep_size(&sa, &sz));
   /* The compute workspace of the prepared layers for this pool; layers
    * prepared later are checked at execute against what region x leaves. */
-  int64_t ws = -1;
+  int64_t ws = -1, region = 0;
   for (int l = 0; l < op->num_layer_slots; l++) {
     const mm_sm90_layer *L = op->layers[l].backend_layer;
     if (!L) continue;
     int64_t need = (int64_t)mm_sm90_workspace_bytes(L, (int)sz.pool_rows);
+    int64_t least = (int64_t)mm_sm90_workspace_bytes_min(L, (int)sz.pool_rows);
     if (need > ws) ws = need;
+    if (need - least > region) region = need - least;
   }
+  if (region > 0) /* the largest single reservation a user can trade for speed */
+    mm_log(MEGAMOE_LOG_INFO,
+           "cuda plan: %.1f MiB of the compute workspace is the prefill path's weight region "
+           "(compute.prefill-experts %d; compute.prefill-path: off reserves none)",
+           region / 1048576.0, c->compute_prefill_experts);
   const megamoe_host_services *hs = mm_host_services();
   mm_ep_engine_args ea = {op->rank, op->ep_size, op->device, c->model.num_experts, c->model.top_k,
                           c->model.hidden_size, c->model.moe_intermediate_size, max_tokens, ll,
