@@ -327,6 +327,19 @@ static void test_sizing(void) {
     CHECK_MSG(sm.device_total <= 1536ull << 20, "mode %d: %.3f GiB", mode,
               sm.device_total / 1073741824.0);
   }
+  /* mode 1 also plans the prefill path's weight region here (a pool of
+   * 1536 rows per local expert), at compute.prefill-experts' default */
+  {
+    const int E = a.num_experts / a.ranks;
+    CHECK(s.pool_rows >= (int64_t)MM_SM90_PREFILL_MIN_ROWS * E);
+    a.workspace_bytes = sm90_ws(MM_WMODE_G32_FP8, a.hidden, a.intermediate, s.pool_rows) +
+                        (int64_t)mm_sm90_prefill_region_bytes(E, a.hidden, a.intermediate,
+                                                              MM_SM90_PREFILL_EXPERTS_DEFAULT);
+    mm_ep_sizes sm;
+    CHECK_OK(mm_ep_size(&a, &sm));
+    CHECK_MSG(sm.device_total <= 1536ull << 20, "mode 1 with the prefill region: %.3f GiB",
+              sm.device_total / 1073741824.0);
+  }
   a.hidden = 100;
   CHECK_ERR(mm_ep_size(&a, &s), MEGAMOE_CODE_INVALID_ARGUMENT);
   /* The default estimate (plan before prepare) covers every weight mode, and
