@@ -287,6 +287,14 @@ static const char *path_name(int path) {
  * also land outside the pool's own range): each pool row's result must be
  * the unmapped run's row (`got`) bit for bit, at its mapped row; rows that
  * are neither mapped to nor (F16 modes) staging rows keep the poison. */
+/* A compute call's result: checked, then (after the device is done) its
+ * output copied to host. */
+static void fetch_out(mm_err *err, const void *d_out, uint16_t *host, size_t bytes) {
+  CHECK_OK(err);
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaMemcpy(host, d_out, bytes, cudaMemcpyDeviceToHost));
+}
+
 static void check_out_rows(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,
                            void *d_ws, size_t wsb, mm_sm90_path path, const uint16_t *got,
                            int lead, int Mused, int H, int stages) {
@@ -307,9 +315,8 @@ static void check_out_rows(const mm_sm90_layer *L, const mm_expert_pool *pool, f
   p2.out_rows = d_map;
   CUDA_OK(cudaMemset(p2.out, 0xFF, 2 * (size_t)M * H));
   CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
-  CHECK_OK(mm_sm90_expert_compute_path(L, &p2, clamp, d_ws, wsb, NULL, path));
-  CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(got2, p2.out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+  fetch_out(mm_sm90_expert_compute_path(L, &p2, clamp, d_ws, wsb, NULL, path), p2.out, got2,
+            2 * (size_t)M * H);
   size_t moved = 0, stray = 0;
   for (int p = lead; p < Mused; p++) {
     hit[map[p]] = 1;
@@ -441,9 +448,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
         continue;
       }
       g_prefill_runs += path == MM_SM90_PATH_PREFILL;
-      CHECK_OK(err);
-      CUDA_OK(cudaDeviceSynchronize());
-      CUDA_OK(cudaMemcpy(got, d_out, 2 * (size_t)M * H, cudaMemcpyDeviceToHost));
+      fetch_out(err, d_out, got, 2 * (size_t)M * H);
       /* What "within 1e-3 of the reference computed from the same quantized
        * inputs" means here, in two exact checks and one sanity bound:
        * 1. L1 + SwiGLU + requant: every FP8 code of the intermediate equals
@@ -634,13 +639,6 @@ static void test_bad_args(void) {
   mm_qmat_free(&ex.w2);
 }
 
-/* A compute call's result: checked, then (after the device is done) its
- * output copied to host. */
-static void fetch_out(mm_err *err, const void *d_out, uint16_t *host, size_t bytes) {
-  CHECK_OK(err);
-  CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(host, d_out, bytes, cudaMemcpyDeviceToHost));
-}
 /* NaN / Inf values of got, and values that differ from ref (BF16 bits). */
 static void count_diff(const uint16_t *got, const uint16_t *ref, size_t n, size_t *nan,
                        size_t *diff) {
