@@ -32,7 +32,7 @@
  * prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
  * WGMMA kernels); wgmma, prefill and simt force one;
  * --prefill-experts: experts per launch pair of the prefill path
- * (compute.prefill-experts; default the layer's, 16);
+ * (compute.prefill-experts, 1-32; default 16);
  * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
  * operation for t ms, then times its iterations: the H200 reaches its 700 W
  * power cap within about a second of prefill-sized work and lowers its clocks
@@ -86,8 +86,7 @@ int main(int argc, char **argv) {
   int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
   static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
   mm_sm90_path path = MM_SM90_PATH_AUTO;
-  int prefill_experts = 0; /* the layer's default */
-  const char *argv_prefill = "";
+  int prefill_experts = MM_SM90_PREFILL_EXPERTS_DEFAULT;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -102,7 +101,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--out-rows")) out_rows = 1;
-    else if (!strcmp(a, "--prefill-experts")) prefill_experts = atoi(v), argv_prefill = v, i++;
+    else if (!strcmp(a, "--prefill-experts")) prefill_experts = atoi(v), i++;
     else if (!strcmp(a, "--path"))
       path = !strcmp(v, "simt")      ? MM_SM90_PATH_SIMT
              : !strcmp(v, "prefill") ? MM_SM90_PATH_PREFILL
@@ -130,6 +129,11 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
+  if (prefill_experts < 1 || prefill_experts > MM_SM90_PREFILL_CHUNK) {
+    fprintf(stderr, "--prefill-experts: %d is not in [1, %d]\n", prefill_experts,
+            MM_SM90_PREFILL_CHUNK);
+    return 2;
+  }
   /* the backend's choice (mm_cuda_weight_mode); --requant lands on gran 32 */
   const int g32 = gran == 32 || requant;
   const mm_weight_mode mode = g32 ? (bf16_exact ? MM_WMODE_G32_F16_EXACT : MM_WMODE_G32_FP8)
@@ -148,7 +152,7 @@ int main(int argc, char **argv) {
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   printf("# device %s, %d SMs; mode %s; E_loc %d H %d I %d; iters %d%s%s; warm-up %.0f ms; "
-         "path %s; prefill experts per launch %s\n",
+         "path %s; prefill experts per launch %d\n",
          prop.name, prop.multiProcessorCount, mode_name, E, H, I, iters,
          block_refs ? "; per-block references" : "", out_rows ? "; out rows mapped" : "",
          g_warmup_ms,
@@ -156,7 +160,7 @@ int main(int argc, char **argv) {
          : path == MM_SM90_PATH_PREFILL ? "prefill"
          : path == MM_SM90_PATH_SIMT    ? "simt"
                                         : "wgmma",
-         prefill_experts ? argv_prefill : "default");
+         prefill_experts);
 
   mm_sm90_layer *L = NULL;
   OK(mm_sm90_layer_create_random(E, H, I, mode, 12345, block_refs, st, &L));
