@@ -548,6 +548,7 @@ static const int k_counts_empty[] = {0, 0};
 /* both widths of the prefill's launch pair in one call: 150 and 140 rows
  * take one 160-wide tile, 3 and 70 a 128-wide one (mm_sm90_wide_tiles) */
 static const int k_counts_pair[] = {150, 3, 70, 0, 140};
+static const int k_counts_big[] = {2100, 77, 0};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
@@ -562,6 +563,9 @@ static const shape k_shapes[] = {
     {256, 128, 40, NULL, 9, 0.0f, 0, 0, 0},
     /* 10 and 9 K blocks: the prefill path's runs of 8, 2 and 1 (kRun) */
     {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
+    /* the prefill path's raster groups (33 L1 token tiles: two groups of 8
+     * sets and a split last tile) and odd tile counts in both GEMMs */
+    {256, 256, 3, k_counts_big, 0, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
@@ -598,6 +602,8 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s2);
   const shape s3 = {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 1, 0}; /* runs of 8, 2, 1 */
   run_case(MM_WMODE_G32_FP8, &s3);
+  const shape s4 = {256, 256, 3, k_counts_big, 0, 0.0f, 0, 1, 0}; /* raster groups, split tiles */
+  run_case(MM_WMODE_G32_FP8, &s4);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
