@@ -22,8 +22,9 @@
  * tiles of one expert, each CTA copying half of the weight tile into both
  * (multicast); an expert's odd last token tile goes to both CTAs with
  * different column tiles (PfUnit::split), and a large expert's tiles are
- * walked in raster groups (kRasterSets). One producer warpgroup (thread 0: copies; warps 1-3: decode)
- * and two consumer warpgroups, each with two accumulators, so that a K
+ * walked in raster groups (mm_sm90_prefill_unit, plugin/layout_sm90.h).
+ * One producer warpgroup (thread 0: copies; warps 1-3: decode) and two
+ * consumer warpgroups, each with two accumulators, so that a K
  * block's MMAs run while the previous block's sums are promoted.
  * - L1: 64 x 256 tiles: 64 tokens and 256 layout rows of w13, the gates and
  *   ups of 128 channels (docs/LAYOUTS.md, "Row order"), 128 columns per
@@ -63,10 +64,6 @@ constexpr int kClusterSize = 2;
  * faster than one accumulator at 24576-65536 rows, runs of 16 no faster
  * (docs/PERF.md, version 22) */
 constexpr int kRun = 8;
-/* token-tile sets per raster group (a set: one token tile per CTA of a
- * cluster): 8 sets are 1024 tokens in L1, 2048 in L2, so even loads of
- * 1024 rows per expert keep one group per expert */
-constexpr int kRasterSets = 8;
 /* registers: the producer warpgroup (copies, decode: it spills at 64) and
  * each consumer warpgroup (two accumulators and the promoted sums, 192);
  * the pool of 384 x 168 must hold them */
@@ -131,19 +128,14 @@ __device__ __forceinline__ float to_bf16_value(float x) {
  * column tile nt; row0 the pool row of the tile's first token (a tile past
  * the expert's rows, in a cluster's last set, re-reads its first tile),
  * valid its rows of the expert. split: an expert's last token tile when it
- * is alone in its set: every CTA of the cluster takes it, each with its
- * own column tile, copied whole without multicast (a column tile past the
- * matrix re-reads the last one, valid 0); otherwise the set's other CTAs
- * would only wait beside it. */
+ * is alone in its set (mm_sm90_prefill_unit): every CTA of the cluster
+ * takes it, each with its own column tile, copied whole without multicast
+ * (a column tile past the matrix re-reads the last one, valid 0); otherwise
+ * the set's other CTAs would only wait beside it. */
 struct PfUnit {
   int e, nt, row0, valid, split;
 };
-/* Units of an expert of mt token tiles: full sets times the column tiles,
- * and a last set of one tile split over the cluster's CTAs. */
-__host__ __device__ __forceinline__ int pf_units(int mt, int cs, int nt) {
-  const int rem = mt % cs;
-  return mt / cs * nt + (rem == 0 ? 0 : rem == 1 ? (nt + cs - 1) / cs : nt);
-}
+
 
 template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
@@ -176,7 +168,7 @@ __global__ void __launch_bounds__(384, 1)
       const int b = min(max(p.offsets[p.e0 + e + 1], a), p.M);
       rbeg[e] = a;
       rend[e] = b;
-      uoff[e + 1] = uoff[e] + pf_units((b - a + G::BM - 1) / G::BM, CS, NT);
+      uoff[e + 1] = uoff[e] + mm_sm90_prefill_units((b - a + G::BM - 1) / G::BM, CS, NT);
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
     }
   }
@@ -194,27 +186,13 @@ __global__ void __launch_bounds__(384, 1)
     while (uoff[cur + 1] <= u) cur++;
     PfUnit un;
     un.e = cur;
+    /* raster groups and split last tiles (mm_sm90_prefill_unit): where
+     * all sets of a large expert went for one column tile at a time, every
+     * column tile streamed its tokens from HBM again (docs/PERF.md,
+     * version 23) */
     const int a = rbeg[cur], tiles = (rend[cur] - a + G::BM - 1) / G::BM;
-    const int sets = tiles / CS, v = u - uoff[cur];
     int mt;
-    un.split = 0;
-    if (v < sets * NT) {
-      /* raster groups of kRasterSets sets, each walked set by set for every
-       * column tile in turn: the units in flight then share a few token and
-       * column tiles in L2, where a large expert's order of all its sets per
-       * column tile streamed every token tile from HBM once per column tile */
-      const int first = v / (kRasterSets * NT) * kRasterSets, gs = min(sets - first, kRasterSets);
-      const int w = v - first * NT;
-      mt = CS * (first + w % gs) + (int)crank;
-      un.nt = w / gs;
-    } else if (tiles % CS == 1) {
-      mt = tiles - 1;
-      un.nt = CS * (v - sets * NT) + (int)crank;
-      un.split = 1;
-    } else {
-      mt = CS * sets + (int)crank;
-      un.nt = v - sets * NT;
-    }
+    mm_sm90_prefill_unit(tiles, CS, NT, (int)crank, u - uoff[cur], &mt, &un.nt, &un.split);
     const bool past = un.nt >= NT;
     un.nt = min(un.nt, NT - 1);
     un.valid = past ? 0 : min(max(rend[cur] - a - mt * G::BM, 0), G::BM);

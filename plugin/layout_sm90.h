@@ -252,6 +252,45 @@ MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk) {
          mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk));
 }
 
+/* The prefill path's work units of one expert of `tiles` token tiles, nt
+ * column tiles, in clusters of cs CTAs (kernels/moe_sm90_prefill.cu;
+ * docs/PERF.md, version 23). The full sets (cs consecutive token tiles, one
+ * per CTA, sharing one column tile whose weights each CTA multicasts a
+ * 1 / cs of) go in raster groups of MM_SM90_PREFILL_RASTER_SETS sets, each
+ * group walked set by set for every column tile in turn, so that the units
+ * in flight share a few token and column tiles in L2. A last set of one
+ * tile is split: every CTA takes that tile with its own column tile, copied
+ * whole; a last set of more tiles (cs > 2) runs as a full set. */
+#define MM_SM90_PREFILL_RASTER_SETS 8
+MM_SM90_HD int mm_sm90_prefill_units(int tiles, int cs, int nt) {
+  const int rem = tiles % cs;
+  return tiles / cs * nt + (rem == 0 ? 0 : rem == 1 ? (nt + cs - 1) / cs : nt);
+}
+/* Unit v (0 .. mm_sm90_prefill_units - 1) of the expert for the CTA of
+ * cluster rank `rank`: its token tile *mt and column tile *ct, and whether
+ * it is split. A tile past the expert (*mt >= tiles) or a column past the
+ * matrix (*ct >= nt) is work for nobody: the kernel re-reads a valid tile
+ * and stores nothing. Every (token tile, column tile) pair is one unit's
+ * for exactly one CTA (test_layout_sm90, test_prefill_units). */
+MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int rank, int v, int *mt, int *ct,
+                                     int *split) {
+  const int sets = tiles / cs, g = MM_SM90_PREFILL_RASTER_SETS;
+  *split = 0;
+  if (v < sets * nt) {
+    const int first = v / (g * nt) * g, gs = sets - first < g ? sets - first : g;
+    const int w = v - first * nt;
+    *mt = cs * (first + w % gs) + rank;
+    *ct = w / gs;
+  } else if (tiles % cs == 1) {
+    *mt = tiles - 1;
+    *ct = cs * (v - sets * nt) + rank;
+    *split = 1;
+  } else {
+    *mt = cs * sets + rank;
+    *ct = v - sets * nt;
+  }
+}
+
 /* The prefill's token tiles: 1 where an expert of m rows takes 160-wide
  * token tiles rather than 128-wide ones. A 160-wide work unit costs about
  * 1.21 of a 128-wide one on the H200 (docs/PERF.md, version 10), and the

@@ -8,6 +8,7 @@
  * offsets, the w13 gate/up order, and a bit-level
  * check of the thread-register word layout. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "formats.h"
@@ -497,6 +498,61 @@ static void test_wide_tiles(void) {
   }
 }
 
+/* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
+ * token tile and a column tile is computed by exactly one CTA of one unit
+ * (a lost pair would drop tokens, a doubled one race on their output); a
+ * full set's CTAs share the column tile they multicast and hold
+ * consecutive token tiles; a split unit's CTAs share the expert's last tile;
+ * raster groups hold MM_SM90_PREFILL_RASTER_SETS sets, and an expert of at
+ * most that many sets keeps the order of all its sets per column tile. */
+static void test_prefill_units(void) {
+  static const int k_cs[] = {1, 2, 4};
+  static const int k_nt[] = {1, 2, 3, 5, 9, 16, 48};
+  static const int k_tiles[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 257};
+  const int g = MM_SM90_PREFILL_RASTER_SETS;
+  int bad = 0;
+  for (size_t a = 0; a < sizeof(k_cs) / sizeof(k_cs[0]); a++)
+    for (size_t b = 0; b < sizeof(k_nt) / sizeof(k_nt[0]); b++)
+      for (size_t c = 0; c < sizeof(k_tiles) / sizeof(k_tiles[0]); c++) {
+        const int cs = k_cs[a], nt = k_nt[b], tiles = k_tiles[c], sets = tiles / cs;
+        const int units = mm_sm90_prefill_units(tiles, cs, nt);
+        int *count = calloc((size_t)(tiles ? tiles : 1) * nt, sizeof(int));
+        CHECK(units <= (tiles + cs - 1) / cs * nt);
+        for (int v = 0; v < units; v++) {
+          int mt0 = 0, ct0 = 0, split0 = 0;
+          for (int r = 0; r < cs; r++) {
+            int mt, ct, split;
+            mm_sm90_prefill_unit(tiles, cs, nt, r, v, &mt, &ct, &split);
+            if (r == 0) mt0 = mt, ct0 = ct, split0 = split;
+            bad += mt < 0 || ct < 0 || split != split0;
+            if (split)
+              bad += mt != tiles - 1 || ct != ct0 + r || tiles % cs != 1;
+            else
+              bad += ct != ct0 || mt != mt0 + r;
+            if (mt < tiles && ct < nt) count[mt * nt + ct]++;
+            /* raster groups, and the old order where one group holds all */
+            if (!split && v < sets * nt) {
+              bad += mt / cs / g != v / (g * nt);
+              if (sets <= g) bad += mt != cs * (v % sets) + r || ct != v / sets;
+            }
+          }
+        }
+        for (int i = 0; i < tiles * nt; i++)
+          if (count[i] != 1) {
+            fprintf(stderr, "# cs %d nt %d tiles %d: pair (%d, %d) computed %d times\n", cs, nt,
+                    tiles, i / nt, i % nt, count[i]);
+            bad++;
+          }
+        free(count);
+      }
+  CHECK_EQ_INT(bad, 0);
+  /* the shapes the kernels run: GLM-5's L1 (16 column tiles of 256) and L2
+   * (48 of 128) in clusters of 2; 1024 rows per expert keep their order */
+  CHECK_EQ_INT(mm_sm90_prefill_units(16, 2, 16), 8 * 16);
+  CHECK_EQ_INT(mm_sm90_prefill_units(17, 2, 16), 8 * 16 + 8);
+  CHECK_EQ_INT(mm_sm90_prefill_units(5, 2, 48), 2 * 48 + 24);
+}
+
 static void test_gate_up_order(void) {
   const int I = 96 * 2, rows = 2 * I;
   for (int c = 0; c < I; c++) {
@@ -511,6 +567,7 @@ int main(void) {
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
   RUN(test_wide_tiles);
+  RUN(test_prefill_units);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
   RUN(test_mode4_f16_high_bytes);
