@@ -136,7 +136,6 @@ struct PfUnit {
   int e, nt, row0, valid, split;
 };
 
-
 template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
