@@ -91,9 +91,8 @@ struct PfParams {
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
 };
 
-template <int GEMM, int CS>
+template <int GEMM>
 struct PfCfg {
-  static constexpr int kCS = CS; /* CTAs per cluster: each copies 1 / CS of the weight tile */
   static constexpr bool kSplitN = GEMM == 1;
   static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
   static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
@@ -141,7 +140,7 @@ __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
                    const __grid_constant__ CUtensorMap tw) {
-  using G = PfCfg<GEMM, CS>;
+  using G = PfCfg<GEMM>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t *full = (uint64_t *)(sm + G::kOffBar), *empty = full + G::kStages;
@@ -477,7 +476,7 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
                const CUtensorMap &tb, const CUtensorMap &tw, cudaStream_t st) {
-  using G = PfCfg<GEMM, CS>;
+  using G = PfCfg<GEMM>;
   auto kern = prefill_kernel<GEMM, CS>;
   /* per call: a function attribute belongs to one device's context */
   MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
@@ -516,8 +515,8 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
   CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
   const int ec = chunk;
-  using C1 = PfCfg<1, kClusterSize>;
-  using C2 = PfCfg<2, kClusterSize>;
+  using C1 = PfCfg<1>;
+  using C2 = PfCfg<2>;
   MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
                   C1::kScaleBox, 1, false));
