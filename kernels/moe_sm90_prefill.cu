@@ -116,11 +116,35 @@ struct PfCfg {
   static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
 };
 
-__device__ __forceinline__ uint8_t to_e4m3(float x) {
-  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+/* silu table entry i: the address in one wide multiply-add (the compiler's
+ * own form took a shift and a 64-bit add, three instructions) */
+__device__ __forceinline__ float silu_entry(const float *table, uint32_t i) {
+  const float *a;
+  asm("mad.wide.u32 %0, %1, 4, %2;" : "=l"(a) : "r"(i), "l"(table));
+  return __ldg(a);
 }
-__device__ __forceinline__ float to_bf16_value(float x) {
-  return __bfloat162float(__float2bfloat16_rn(x));
+__device__ __forceinline__ float fmin_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+/* Two values to E4M3 in one conversion: x in the low byte. */
+__device__ __forceinline__ uint32_t to_e4m3x2(float x, float y) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3);
+}
+/* A gate and an up rounded to BF16 in one conversion (the same bits as two
+ * roundings), returned as floats: one conversion and two masks instead of
+ * two conversions and two shifts */
+__device__ __forceinline__ void to_bf16_pair(float g, float u, float &gb, float &ub) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(u), "f"(g)); /* g low, u high */
+  gb = __uint_as_float(d << 16);
+  ub = __uint_as_float(d & 0xFFFF0000u);
 }
 
 /* A work unit: expert e (of the launch), token tile mt (of the expert's),
@@ -276,8 +300,6 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                  : "=r"(peer_empty[i])
                  : "r"(smem_u32(empty)), "r"((crank + 1 + i) % CS));
-  float silu_c = 0.0f;
-  if (GEMM == 1 && p.clamp > 0.0f) silu_c = p.clamp / (1.0f + expf(-p.clamp)); /* = the table's silu */
   int stage = 0, it = 0;
   uint32_t phase = 0;
   float acc0[64], acc1[64], fin[64];
@@ -305,8 +327,10 @@ __global__ void __launch_bounds__(384, 1)
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
   set_max_regs_inc<kConsumerRegs>();
-  for (int u = ufirst; u < nunits; u += ustep, it++) {
-    const PfUnit un = unit_of(u);
+  /* one loop-carried counter: with the unit number carried beside it,
+   * ptxas kept one of them in local memory */
+  for (; ufirst + it * ustep < nunits; it++) {
+    const PfUnit un = unit_of(ufirst + it * ustep);
     const int parity = it & 1;
     /* the epilogue's factors, loaded now so that their latency passes under
      * the K loop: the row factor of column t of the warpgroup's 128 and the
@@ -369,27 +393,43 @@ __global__ void __launch_bounds__(384, 1)
        * same channel 8 columns on (j + 1); the thread's channels of the
        * warpgroup's 64 are 8m + 2q + b (m = j / 2) */
       float h[32], amax[2] = {0.0f, 0.0f};
+      /* one branch-free body per clamp setting: with the clamp's test
+       * between the values, each value was a basic block of its own and
+       * its table load could not be issued beside the others' */
+      auto swiglu = [&](auto clamped) {
+        /* made here, not kept across the unit loop (ptxas put it in local
+         * memory there); the expression is silu_n's, so the table's bits */
+        const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
 #pragma unroll
-      for (int m = 0; m < 8; m++)
+        for (int m = 0; m < 8; m++)
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++)
+          for (int rr = 0; rr < 2; rr++)
 #pragma unroll
-          for (int b = 0; b < 2; b++) {
-            const int col = 16 * m + 2 * q + b;
-            float gt = to_bf16_value(fin[8 * m + 2 * rr + b] * facs[col]);
-            float up = to_bf16_value(fin[8 * m + 4 + 2 * rr + b] * facs[col + 8]);
-            if (p.clamp > 0.0f) {
-              gt = mm_clamp_gate(gt, p.clamp); /* keeps NaN, unlike fminf */
-              up = mm_clamp_up(up, p.clamp);
+            for (int b = 0; b < 2; b++) {
+              const int col = 16 * m + 2 * q + b;
+              float gt, up;
+              to_bf16_pair(fin[8 * m + 2 * rr + b] * facs[col], fin[8 * m + 4 + 2 * rr + b] * facs[col + 8],
+                           gt, up);
+              /* a BF16 gate from the table (its index is in the table
+               * whatever the gate); a clamped one that BF16 cannot hold is
+               * the clamp itself, whose silu is silu_c */
+              float s;
+              if constexpr (decltype(clamped)::value) {
+                gt = fmin_nan(gt, p.clamp); /* keeps NaN, as mm_clamp_gate */
+                up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
+                const uint32_t gb = __float_as_uint(gt);
+                s = silu_entry(p.silu, gb >> 16);
+                if (gb & 0xFFFFu) s = silu_c;
+              } else {
+                s = silu_entry(p.silu, __float_as_uint(gt) >> 16);
+              }
+              const float v = (s * up) * rw[rr];
+              h[16 * rr + 2 * m + b] = v;
+              amax[rr] = fmaxf(amax[rr], fabsf(v));
             }
-            /* a BF16 gate from the table; a clamped one that BF16 cannot
-             * hold is the clamp itself, whose silu is silu_c */
-            const uint32_t gb = __float_as_uint(gt);
-            const float s = gb & 0xFFFFu ? silu_c : __ldg(p.silu + (gb >> 16));
-            const float v = (s * up) * rw[rr];
-            h[16 * rr + 2 * m + b] = v;
-            amax[rr] = fmaxf(amax[rr], fabsf(v));
-          }
+      };
+      if (p.clamp > 0.0f) swiglu(std::true_type());
+      else swiglu(std::false_type());
       float *red = (float *)(sm + G::kOffRed) + parity * 128;
 #pragma unroll
       for (int rr = 0; rr < 2; rr++) {
@@ -408,8 +448,7 @@ __global__ void __launch_bounds__(384, 1)
         if (c == 0 && q == 0 && row < un.valid) p.as_t[(size_t)un.nt * p.Mp + un.row0 + row] = mx / 448.0f;
 #pragma unroll
         for (int m = 0; m < 8; m++) {
-          const uint32_t pair = (uint32_t)to_e4m3(h[16 * rr + 2 * m] * inv) |
-                                (uint32_t)to_e4m3(h[16 * rr + 2 * m + 1] * inv) << 8;
+          const uint32_t pair = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
           *(uint16_t *)(half + row * 64 + 8 * m + 2 * q) = (uint16_t)pair;
         }
       }
@@ -425,19 +464,28 @@ __global__ void __launch_bounds__(384, 1)
       }
     } else {
       /* BF16 tile in staging: row r's 16-byte chunk j at j ^ (r % 8), so
-       * the 8 rows of a store (r % 8 = g) fall in different banks */
+       * the 8 rows of a store (r % 8 = g) fall in different banks. The rows
+       * are 256 bytes in a 1024-aligned tile, so the chunk's address is
+       * (the row's | (r % 8) << 4) ^ (j << 4): one XOR per store. */
       uint8_t *stg = sm + G::kOffStg + c * 16384;
       const int *orows = (const int *)(sm + G::kOffRed) + (2 * c + parity) * 64;
+      /* the thread's column factors, read before the stores, whose memory
+       * clobbers would have them read again for every store */
+      float2 fc[16];
 #pragma unroll
-      for (int j = 0; j < 16; j++)
+      for (int j = 0; j < 16; j++) fc[j] = *(const float2 *)(facs + 8 * j + 2 * q);
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-          const int row = r0 + 8 * rr, col = 8 * j + 2 * q;
-          __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * rr] * facs[col],
-                                                   fin[4 * j + 2 * rr + 1] * facs[col + 1]);
-          const uint32_t at = smem_u32(stg + row * 256 + ((j ^ (row & 7)) << 4) + 4 * q);
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(*(uint32_t *)&v) : "memory");
+      for (int rr = 0; rr < 2; rr++) {
+        const int row = r0 + 8 * rr;
+        const uint32_t at = (smem_u32(stg + row * 256) | (uint32_t)(row & 7) << 4) + 4 * q;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+          __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * rr] * fc[j].x,
+                                                   fin[4 * j + 2 * rr + 1] * fc[j].y);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at ^ (uint32_t)(j << 4)), "r"(*(uint32_t *)&v)
+                       : "memory");
         }
+      }
       named_sync(1 + c, 128);
       /* 16 threads per token row; a map entry outside [0, M) is a caller's
        * bug and is not followed into foreign memory */
