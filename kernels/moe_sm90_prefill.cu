@@ -116,6 +116,13 @@ struct PfCfg {
   static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
 };
 
+/* a descriptor from its low word (desc_b's high word: 1024-byte stride,
+ * 128B swizzle) */
+__device__ __forceinline__ uint64_t desc_lo(uint32_t lo) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(0x40000040u));
+  return d;
+}
 /* silu table entry i: the address in one wide multiply-add (the compiler's
  * own form took a shift and a 64-bit add, three instructions) */
 __device__ __forceinline__ float silu_entry(const float *table, uint32_t i) {
@@ -291,7 +298,10 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   /* consumers */
-  const int c = wg - 1, t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
+  /* c from a warp reduction: ptxas then knows it is the same in every lane
+   * and builds the weight tile's descriptors in uniform registers */
+  const int c = (int)__reduce_max_sync(0xffffffffu, (unsigned)(wg - 1));
+  const int t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
   const int aoff = G::kSplitN ? 0 : 64 * c, boff = G::kSplitN ? 128 * c : 0;
   const int r0 = 16 * w + l / 4; /* rows r0, r0 + 8 of the warpgroup's 64 */
   uint32_t peer_empty[CS - 1]; /* the other CTAs' empty barriers */
@@ -309,10 +319,21 @@ __global__ void __launch_bounds__(384, 1)
       phase ^= 1;
     }
   };
+  /* the low words of stage 0's descriptors: a stage's are these plus its
+   * offset / 16, a k32 step's 2 more (addresses below 256 KiB: the 14-bit
+   * address field does not carry), the high word is the same for all */
+  const uint32_t da0 = (uint32_t)desc_b(smem_u32(sm + aoff * 128)),
+                 db0 = (uint32_t)desc_b(smem_u32(sm + G::kA + boff * 128));
   auto issue = [&](float(&acc)[64]) {
     mbar_wait(&full[stage], phase);
-    const uint8_t *st = sm + stage * G::kStage;
-    ss_issue(st + aoff * 128, st + G::kA + boff * 128, acc);
+    const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
+    fence_acc(acc);
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+      mma_ss128(acc, desc_lo(da0 + so + 2 * k), desc_lo(db0 + so + 2 * k), k);
+    wg_commit();
+    fence_acc(acc);
     const int s = stage;
     next_stage();
     return s;
