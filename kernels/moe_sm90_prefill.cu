@@ -327,11 +327,11 @@ __global__ void __launch_bounds__(384, 1)
   auto issue = [&](float(&acc)[64]) {
     mbar_wait(&full[stage], phase);
     const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
+    const uint64_t da = desc_lo(da0 + so), db = desc_lo(db0 + so);
     fence_acc(acc);
     wg_fence();
 #pragma unroll
-    for (int k = 0; k < 4; k++)
-      mma_ss128(acc, desc_lo(da0 + so + 2 * k), desc_lo(db0 + so + 2 * k), k);
+    for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
     wg_commit();
     fence_acc(acc);
     const int s = stage;
@@ -422,15 +422,18 @@ __global__ void __launch_bounds__(384, 1)
          * memory there); the expression is silu_n's, so the table's bits */
         const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
 #pragma unroll
-        for (int m = 0; m < 8; m++)
+        for (int m = 0; m < 8; m++) {
+          /* the factors of the gate columns 16m + 2q + b and of their ups,
+           * 8 columns on: one 8-byte load each */
+          const float2 fg = *(const float2 *)(facs + 16 * m + 2 * q),
+                       fu = *(const float2 *)(facs + 16 * m + 2 * q + 8);
 #pragma unroll
           for (int rr = 0; rr < 2; rr++)
 #pragma unroll
             for (int b = 0; b < 2; b++) {
-              const int col = 16 * m + 2 * q + b;
               float gt, up;
-              to_bf16_pair(fin[8 * m + 2 * rr + b] * facs[col], fin[8 * m + 4 + 2 * rr + b] * facs[col + 8],
-                           gt, up);
+              to_bf16_pair(fin[8 * m + 2 * rr + b] * (b ? fg.y : fg.x),
+                           fin[8 * m + 4 + 2 * rr + b] * (b ? fu.y : fu.x), gt, up);
               /* a BF16 gate from the table (its index is in the table
                * whatever the gate); a clamped one that BF16 cannot hold is
                * the clamp itself, whose silu is silu_c */
@@ -448,6 +451,7 @@ __global__ void __launch_bounds__(384, 1)
               h[16 * rr + 2 * m + b] = v;
               amax[rr] = fmaxf(amax[rr], fabsf(v));
             }
+        }
       };
       if (p.clamp > 0.0f) swiglu(std::true_type());
       else swiglu(std::false_type());
