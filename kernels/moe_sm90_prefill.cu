@@ -130,6 +130,8 @@ __device__ __forceinline__ float silu_entry(const float *table, uint32_t i) {
   asm("mad.wide.u32 %0, %1, 4, %2;" : "=l"(a) : "r"(i), "l"(table));
   return __ldg(a);
 }
+/* min / max that return NaN when either operand is NaN (fminf / fmaxf
+ * return the other operand) */
 __device__ __forceinline__ float fmin_nan(float a, float b) {
   float d;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
@@ -439,7 +441,10 @@ __global__ void __launch_bounds__(384, 1)
                * the clamp itself, whose silu is silu_c */
               float s;
               if constexpr (decltype(clamped)::value) {
-                gt = fmin_nan(gt, p.clamp); /* keeps NaN, as mm_clamp_gate */
+                /* the gate keeps a NaN's bits (min.NaN would make it the
+                 * canonical NaN, whose low half is not 0: silu_c below), the
+                 * up may become the canonical NaN, a NaN all the same */
+                gt = mm_clamp_gate(gt, p.clamp);
                 up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
                 const uint32_t gb = __float_as_uint(gt);
                 s = silu_entry(p.silu, gb >> 16);
