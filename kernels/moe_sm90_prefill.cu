@@ -329,13 +329,7 @@ __global__ void __launch_bounds__(384, 1)
   auto issue = [&](float(&acc)[64]) {
     mbar_wait(&full[stage], phase);
     const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
-    const uint64_t da = desc_lo(da0 + so), db = desc_lo(db0 + so);
-    fence_acc(acc);
-    wg_fence();
-#pragma unroll
-    for (int k = 0; k < 4; k++) mma_ss128(acc, da + 2 * k, db + 2 * k, k);
-    wg_commit();
-    fence_acc(acc);
+    ss_issue(desc_lo(da0 + so), desc_lo(db0 + so), acc);
     const int s = stage;
     next_stage();
     return s;

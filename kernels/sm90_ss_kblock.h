@@ -10,9 +10,9 @@ namespace {
 /* A consumer warpgroup's K block in two halves, so that the next block's
  * MMAs can be queued before this one's promotion (the prefill path keeps
  * two accumulators):
- * - ss_issue: four m64n128k32 MMAs from the stage's token tile (a: its 64
- *   rows) and weight tile (b: its 128 rows), both K-major with 128B
- *   swizzle, into acc, as one commit group;
+ * - ss_issue: four m64n128k32 MMAs from the stage's token tile (da: the
+ *   descriptor of its 64 rows) and weight tile (db: of its 128 rows), both
+ *   K-major with 128B swizzle, into acc, as one commit group;
  * - ss_promote: waits until at most kPending groups are in flight (acc's is
  *   then done), releases the stage and adds acc times the token scale of
  *   the thread's rows r0 and r0 + 8 (sc: the stage's scales of the
@@ -25,8 +25,7 @@ namespace {
  * cluster-scope fence and the probe ran at half speed, docs/PERF.md version
  * 20), the lanes' reads ordered before it by their proxy fences and the
  * warp barrier; else by every thread. */
-__device__ __forceinline__ void ss_issue(const uint8_t *a, const uint8_t *b, float (&acc)[64]) {
-  const uint64_t da = desc_b(smem_u32(a)), db = desc_b(smem_u32(b));
+__device__ __forceinline__ void ss_issue(uint64_t da, uint64_t db, float (&acc)[64]) {
   fence_acc(acc);
   wg_fence();
 #pragma unroll
@@ -68,7 +67,7 @@ template <int kCS>
 __device__ __forceinline__ void ss_kblock(const uint8_t *a, const uint8_t *b, const float *sc,
                                           int r0, uint64_t *empty, const uint32_t *peer_empty,
                                           float (&acc)[64], float (&fin)[64]) {
-  ss_issue(a, b, acc);
+  ss_issue(desc_b(smem_u32(a)), desc_b(smem_u32(b)), acc);
   ss_promote<kCS, 0>(sc, r0, empty, peer_empty, acc, fin);
 }
 
