@@ -114,7 +114,7 @@ double mm_sm90_layer_fold_error(const mm_sm90_layer *layer);
 mm_weight_mode mm_sm90_layer_mode(const mm_sm90_layer *layer);
 
 /* Benchmarks: a layer of valid random records made on the device (no host
- * packing), same layout and kernels as a real one. Modes 1 and 4: each row's
+ * packing), same layout and kernels as a real one. Modes 1, 3 and 4: each row's
  * groups share one reference exponent, which the packer moves into the row
  * factor (reference 0 in every block, its row anchor); block_refs keeps it
  * in every block instead, as for rows whose blocks need their own. */

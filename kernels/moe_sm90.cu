@@ -45,11 +45,12 @@ __global__ void zero_refs(const uint8_t *w, size_t expert_bytes, size_t w13_byte
   if (!__syncthreads_and(z) && lr == 0) atomicAnd(&zero[w2], 0);
 }
 /* L->refs_zero13 / refs_zero2 from the uploaded records (zero_refs);
- * synchronizes st. Only modes 1 and 4 (mode 1's records) have kernels
- * without the reference multiply: the others skip the scan. */
+ * synchronizes st. Modes 1 and 4 (mode 1's records) have WGMMA kernels
+ * without the reference multiply, modes 1 and 3 the prefill path (zero
+ * references only); mode 2 has no references and skips the scan. */
 static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
   L->refs_zero13 = L->refs_zero2 = 0;
-  if (L->mode != MM_WMODE_G32_FP8 && L->mode != MM_WMODE_G32_F16_EXACT)
+  if (!mm_sm90_has_ref(L->mode))
     return cudaStreamSynchronize(st); /* the callers rely on the synchronization */
   const int t13 = 2 * L->I / 64, t2 = L->H / 64, ones[2] = {1, 1};
   int *d = NULL, got[2] = {0, 0};
@@ -555,9 +556,9 @@ extern "C" mm_err *mm_sm90_layer_create_random(int num_local, int H, int I, mm_w
   if (ce == cudaSuccess) {
     L->d_rs2 = L->d_rs13 + (size_t)num_local * (size_t)(2 * I);
     L->device_bytes = wbytes + sizeof(float) * rs_count + sizeof(lut);
-    /* references 2^-12 (outputs O(1)): in every block, or (modes 1 and 4,
-     * row anchor) in the row factor */
-    const bool anchor = (mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G32_F16_EXACT) && !block_refs;
+    /* references 2^-12 (outputs O(1)): in every block, or (modes 1, 3 and
+     * 4, row anchor) in the row factor */
+    const bool anchor = mode != MM_WMODE_G16_BF16_EXACT && !block_refs;
     random_records<<<1024, 256, 0, st>>>(L->d_w, wbytes, L->rec, (int)mode, seed,
                                          (int16_t)(anchor ? 0 : -12));
     fill_f32<<<256, 256, 0, st>>>(L->d_rs13, rs_count,

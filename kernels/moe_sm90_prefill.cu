@@ -1,7 +1,8 @@
-/* moe_sm90_prefill.cu -- mode 1's prefill path (docs/ARCHITECTURE.md;
- * docs/PERF.md, versions 20-21): pools with some hundreds of rows per
- * expert, where moe_sm90_wgmma.cu's kernels are held by their consumers'
- * instruction chain (decode, 32 token-scale loads per K block).
+/* moe_sm90_prefill.cu -- the FP8 modes' prefill path (modes 1 and 3;
+ * docs/ARCHITECTURE.md; docs/PERF.md, versions 20-21, 25): pools with some
+ * hundreds of rows per expert, where moe_sm90_wgmma.cu's kernels are held
+ * by their consumers' instruction chain (decode, 32 token-scale loads per K
+ * block).
  *
  * The GEMMs turn around: tokens are the WGMMA A operand and the weights,
  * as E4M3, the B operand, both tensor-copied K-major with 128B swizzle
@@ -16,7 +17,8 @@
  * Only matrices whose reference exponents are all 0 (the layer's
  * refs_zero: the row anchor moved every row's reference into its row
  * factor): the records' values are then the weights over the row factor,
- * which the epilogues apply per column.
+ * which the epilogues apply per column. The two modes differ only in their
+ * records, so only the decode knows the mode: the GEMMs see E4M3 weights.
  *
  * Per kernel: a persistent grid of clusters of 2 CTAs on neighbouring token
  * tiles of one expert, each CTA copying half of the weight tile into both
@@ -74,7 +76,8 @@ struct PfParams {
   const uint8_t *w;   /* layer records */
   size_t expert_bytes, mat_off;
   const float *rs;    /* row factors [E][N] of the matrix */
-  const uint8_t *lut; /* the fold table; its entries (k, 0) go to shared memory */
+  const uint8_t *lut; /* the fold table (mode 1: its entries (k, 0) go to shared memory) */
+  int mode;           /* the records' mode: 1 or 3 (RecFmt) */
   const int32_t *offsets;
   int e0, E;          /* this launch's experts [e0, e0 + E) */
   int N, K;           /* the matrix: N layout rows (GEMM columns), K columns */
@@ -235,21 +238,28 @@ __global__ void __launch_bounds__(384, 1)
     set_max_regs_dec<kProducerRegs>();
     if (threadIdx.x >= 32) { /* decoder warps */
       const int wj = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
-      const uint8_t *lut = sm + G::kOffLut;
-      int n = 0, dcur = 0;
-      for (;;) {
-        int t = 0;
-        if (lane == 0) t = atomicAdd(p.ready + p.E, 1);
-        t = __shfl_sync(0xffffffffu, t, 0);
-        if (t >= toff[p.E]) break;
-        while (toff[dcur + 1] <= t) dcur++;
-        const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
-        const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
-                             ((size_t)tile * KB + kb0) * 4480;
-        decode_record_run(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile, lut,
-                          sm + G::kOffDec + wj * 8192, n);
-        if (lane == 0) atomicAdd(p.ready + dcur, 1);
-      }
+      uint8_t *bufs = sm + G::kOffDec + wj * 8192;
+      /* one task loop per record mode: with both decodes in one loop the
+       * warps spilled at the producer's 72 registers */
+      auto decode_tasks = [&](auto mode, const uint8_t *lut) {
+        constexpr int MODE = decltype(mode)::value;
+        int n = 0, dcur = 0;
+        for (;;) {
+          int t = 0;
+          if (lane == 0) t = atomicAdd(p.ready + p.E, 1);
+          t = __shfl_sync(0xffffffffu, t, 0);
+          if (t >= toff[p.E]) break;
+          while (toff[dcur + 1] <= t) dcur++;
+          const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
+          const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
+                               ((size_t)tile * KB + kb0) * RecFmt<MODE>::kRec;
+          decode_record_run<MODE>(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile, lut,
+                                  bufs, n);
+          if (lane == 0) atomicAdd(p.ready + dcur, 1);
+        }
+      };
+      if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>(), p.lut);
+      else decode_tasks(std::integral_constant<int, 1>(), sm + G::kOffLut);
     } else if (threadIdx.x == 0) { /* copies */
       int stage = 0, e_ready = -1;
       uint32_t phase = 0;
@@ -566,10 +576,12 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
 
 const char *mm_sm90_prefill_unsupported(const mm_sm90_layer *L) {
   if (L->prefill_off) return "turned off (compute.prefill-path: off)";
-  if (L->mode != MM_WMODE_G32_FP8) return "mode 1 (g32-fp8) only";
+  if (L->mode != MM_WMODE_G32_FP8 && L->mode != MM_WMODE_G16_FP8)
+    return "the FP8 modes only (1 g32-fp8, 3 g16-fp8)";
   if (!L->refs_zero13 || !L->refs_zero2) return "weights with per-block reference exponents";
   if (L->H % 128 || L->I % 128) return "hidden and expert sizes must be multiples of 128";
-  if (L->rec != 4480) return "record size mismatch";
+  if (L->rec != (L->mode == MM_WMODE_G32_FP8 ? RecFmt<1>::kRec : RecFmt<3>::kRec))
+    return "record size mismatch";
   return NULL;
 }
 
@@ -611,6 +623,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.w = L->d_w;
   p.expert_bytes = L->expert_bytes;
   p.lut = L->d_lut;
+  p.mode = L->mode == MM_WMODE_G16_FP8 ? 3 : 1;
   p.offsets = pool->expert_offsets;
   p.M = M;
   p.Mp = Mp;

@@ -36,10 +36,10 @@ __device__ __forceinline__ void probe_table(uint32_t d, uint32_t &tx, uint32_t &
 __device__ __forceinline__ void probe_dec32(uint4 c, uint32_t sb, uint4 *out) {
   uint32_t tx, ty, o[8];
   probe_table(sb & 3u, tx, ty);
-  rec_dec8(c.x, tx, ty, o[0], o[1]);
-  rec_dec8(c.y, tx, ty, o[2], o[3]);
-  rec_dec8(c.z, tx, ty, o[4], o[5]);
-  rec_dec8(c.w, tx, ty, o[6], o[7]);
+  rec_dec8(c.x, tx, ty, tx, ty, o[0], o[1]);
+  rec_dec8(c.y, tx, ty, tx, ty, o[2], o[3]);
+  rec_dec8(c.z, tx, ty, tx, ty, o[4], o[5]);
+  rec_dec8(c.w, tx, ty, tx, ty, o[6], o[7]);
   out[0] = make_uint4(o[0], o[1], o[2], o[3]);
   out[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
@@ -169,7 +169,7 @@ __device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw,
   int n = 0;
   for (int t = 3 * blockIdx.x + wj; t < p.E * per_expert; t += 3 * gridDim.x) {
     const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
-    decode_record_run(p.records + ((size_t)tile * KB + kb0) * 4480, kb0, kb1, tw, 64 * tile, lut,
+    decode_record_run<1>(p.records + ((size_t)tile * KB + kb0) * 4480, kb0, kb1, tw, 64 * tile, lut,
                       dec + wj * 8192, n);
     if (d % 32 == 0) atomicAdd(&p.ready[t / per_expert], 1);
   }

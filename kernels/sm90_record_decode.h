@@ -1,46 +1,71 @@
-/* sm90_record_decode.h -- mode 1's records (docs/LAYOUTS.md, "Codes", FP8
- * modes) decoded to E4M3 rows by one warp through a 128B-swizzled shared
- * tile and a tensor store: the prefill path's weight workspace
- * (moe_sm90_prefill.cu) and the probe's (probe_prefill.cu). C++/CUDA only;
- * include after sm90_ptx.h. Everything sits in the including file's unnamed
- * namespace. */
+/* sm90_record_decode.h -- the FP8 modes' records (docs/LAYOUTS.md,
+ * "Codes", FP8 modes) decoded to E4M3 rows by one warp through a
+ * 128B-swizzled shared tile and a tensor store: the prefill path's weight
+ * workspace (moe_sm90_prefill.cu; modes 1 and 3) and the probe's
+ * (probe_prefill.cu; mode 1). C++/CUDA only; include after sm90_ptx.h.
+ * Everything sits in the including file's unnamed namespace. */
 #ifndef MM_SM90_RECORD_DECODE_H
 #define MM_SM90_RECORD_DECODE_H
 
 namespace {
 
-/* 8 weights of one code word through a fold-table entry (tx, ty): bytes 0-3
- * from nibbles 0-3 (magnitude bits 0-2) with their signs at bits 8i + 7,
- * bytes 4-7 from nibbles 4-7 with their signs at bits 8i + 3: one byte
- * permute per 4 weights. */
-__device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t tx, uint32_t ty, uint32_t &lo,
-                                         uint32_t &hi) {
+/* The record formats: mode 1's (one scale byte per row and 32-group, an
+ * index of the compact fold table) and mode 3's (one per 16-group, an
+ * index of the full table). */
+template <int MODE>
+struct RecFmt {
+  static_assert(MODE == 1 || MODE == 3, "the FP8 modes' records");
+  static constexpr int kRec = MODE == 1 ? 4480 : 4736;
+  static constexpr int kScaleBytes = MODE == 1 ? 4 : 8; /* per row */
+};
+
+/* 8 weights of one code word through the fold-table entries (lx, ly) of
+ * nibbles 0-3 and (hx, hy) of nibbles 4-7 (one group's in mode 1, two in
+ * mode 3): bytes 0-3 from nibbles 0-3 (magnitude bits 0-2) with their signs
+ * at bits 8i + 7, bytes 4-7 from nibbles 4-7 with their signs at bits
+ * 8i + 3: one byte permute per 4 weights. */
+__device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t lx, uint32_t ly, uint32_t hx,
+                                         uint32_t hy, uint32_t &lo, uint32_t &hi) {
   const uint32_t sel = w & 0x77777777u;
-  lo = prmt(tx, ty, sel) | (w & 0x80808080u);
-  hi = prmt(tx, ty, sel >> 16) | ((w << 4) & 0x80808080u);
+  lo = prmt(lx, ly, sel) | (w & 0x80808080u);
+  hi = prmt(hx, hy, sel >> 16) | ((w << 4) & 0x80808080u);
 }
 
 /* A record's thread slot T = 32w + 4g + q owns rows 16w + g and 16w + g + 8
  * and the words u = 0..7 at byte (u / 4) * 2048 + 16 T + 4 (u % 4); word
  * u = 2s + rr is row 16w + g + 8rr, columns 32s + 4q .. + 3 (its low half)
- * and 32s + 16 + 4q .. + 3 (its high half), decoded through the compact
- * fold-table entry at the row's scale byte for group s. One slot's inputs:
- * its 8 code words and its two rows' scale bytes. */
+ * and 32s + 16 + 4q .. + 3 (its high half), decoded through the fold-table
+ * entry at the row's scale byte for 32-group s (mode 1) or 16-groups 2s
+ * and 2s + 1 (mode 3). One slot's inputs: its 8 code words and its two
+ * rows' scale bytes (sb[rr][0] in mode 1, both words in mode 3). */
 struct RecSlot {
   uint4 c0, c1;
-  uint32_t sb[2];
+  uint32_t sb[2][2];
 };
+template <int MODE>
 __device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecSlot &r) {
   const int w = T / 32, g = (T % 32) / 4;
   r.c0 = __ldcs((const uint4 *)(rec + 16 * T));
   r.c1 = __ldcs((const uint4 *)(rec + 2048 + 16 * T));
-  r.sb[0] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g))) & 0xF8F8F8F8u;
-  r.sb[1] = __ldcs((const uint32_t *)(rec + 4096 + 4 * (16 * w + g + 8))) & 0xF8F8F8F8u;
+#pragma unroll
+  for (int rr = 0; rr < 2; rr++) {
+    const uint8_t *row = rec + 4096 + RecFmt<MODE>::kScaleBytes * (16 * w + g + 8 * rr);
+    if (MODE == 1) {
+      r.sb[rr][0] = __ldcs((const uint32_t *)row) & 0xF8F8F8F8u;
+    } else {
+      const uint2 v = __ldcs((const uint2 *)row);
+      r.sb[rr][0] = v.x;
+      r.sb[rr][1] = v.y;
+    }
+  }
 }
 /* The slot's 64 bytes into a 32-row half tile (rows row_base .. + 31 of the
  * record), 128B-swizzled: 16-byte chunk ^ row % 8 (= g), so that the 8
  * rows of a warp's 4-byte store land in 8 chunks instead of one bank
- * quarter. lut: the compact fold table (256-aligned). */
+ * quarter. lut: mode 1's compact fold table in shared memory (256-aligned),
+ * mode 3's full table in global memory (1.6 KB, cached in L1: the prefill
+ * kernel's shared memory has no room for it beside its stages). */
+template <int MODE>
 __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
                                                    uint8_t *tile, int row_base) {
   const int w = T / 32, g = (T % 32) / 4, q = T % 4;
@@ -48,10 +73,19 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
 #pragma unroll
   for (int u = 0; u < 8; u++) {
     const int s = u / 2, rr = u % 2;
-    const uint32_t a = prmt(r.sb[rr], smem_u32(lut), 0x7650 | s); /* the entry's address */
-    uint32_t tx, ty, lo, hi;
-    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tx), "=r"(ty) : "r"(a));
-    rec_dec8(words[u], tx, ty, lo, hi);
+    uint32_t lx, ly, hx, hy, lo, hi;
+    if (MODE == 1) {
+      const uint32_t a = prmt(r.sb[rr][0], smem_u32(lut), 0x7650 | s); /* the entry's address */
+      asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lx), "=r"(ly) : "r"(a));
+      hx = lx;
+      hy = ly;
+    } else {
+      const uint32_t v = r.sb[rr][s / 2]; /* groups 2s, 2s + 1: bytes 2 (s % 2) and + 1 */
+      const uint2 el = __ldg((const uint2 *)lut + prmt(v, 0, 0x4440 | (2 * (s & 1))));
+      const uint2 eh = __ldg((const uint2 *)lut + prmt(v, 0, 0x4440 | (2 * (s & 1) + 1)));
+      lx = el.x, ly = el.y, hx = eh.x, hy = eh.y;
+    }
+    rec_dec8(words[u], lx, ly, hx, hy, lo, hi);
     const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128) + 4 * q;
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s) ^ g) << 4)), "r"(lo) : "memory");
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s + 1) ^ g) << 4)), "r"(hi) : "memory");
@@ -66,27 +100,40 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
  * during a decode. n counts the warp's half records (the tile parity) across
  * calls. On return lane 0 has waited for the stores to complete and fenced
  * them, so the caller may publish the rows. */
+template <int MODE>
 __device__ __forceinline__ void decode_record_run(const uint8_t *rec0, int kb0, int kb1,
                                                   const CUtensorMap *tw, int wrow,
                                                   const uint8_t *lut, uint8_t *bufs, int &n) {
   const int lane = threadIdx.x % 32, units = 2 * (kb1 - kb0);
   RecSlot cur[2];
-  load_record_slot(rec0, lane, cur[0]);
-  load_record_slot(rec0, lane + 32, cur[1]);
+  load_record_slot<MODE>(rec0, lane, cur[0]);
+  load_record_slot<MODE>(rec0, lane + 32, cur[1]);
   for (int un = 0; un < units; un++, n++) {
     const int h = un % 2, kb = kb0 + un / 2;
     uint8_t *buf = bufs + (n & 1) * 4096;
     if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
     __syncwarp(); /* buf's store, two half records ago, has read it */
-    const RecSlot a0 = cur[0], a1 = cur[1];
-    if (un + 1 < units) {
-      const uint8_t *nrec = rec0 + (size_t)((un + 1) / 2) * 4480;
-      const int nh = (un + 1) % 2;
-      load_record_slot(nrec, 64 * nh + lane, cur[0]);
-      load_record_slot(nrec, 64 * nh + lane + 32, cur[1]);
+    const bool more = un + 1 < units;
+    const uint8_t *nrec = rec0 + (size_t)((un + 1) / 2) * RecFmt<MODE>::kRec;
+    const int nh = (un + 1) % 2;
+    if (MODE == 1) {
+      const RecSlot a0 = cur[0], a1 = cur[1];
+      if (more) {
+        load_record_slot<MODE>(nrec, 64 * nh + lane, cur[0]);
+        load_record_slot<MODE>(nrec, 64 * nh + lane + 32, cur[1]);
+      }
+      decode_record_slot<MODE>(a0, 64 * h + lane, lut, buf, 32 * h);
+      decode_record_slot<MODE>(a1, 64 * h + lane + 32, lut, buf, 32 * h);
+    } else {
+      /* each slot decoded from where it was loaded, then reloaded: with the
+       * next loads beside copies of both slots (4 x 12 registers) the
+       * decoder warps spilled at the producer warpgroup's 72 registers */
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        decode_record_slot<MODE>(cur[i], 64 * h + lane + 32 * i, lut, buf, 32 * h);
+        if (more) load_record_slot<MODE>(nrec, 64 * nh + lane + 32 * i, cur[i]);
+      }
     }
-    decode_record_slot(a0, 64 * h + lane, lut, buf, 32 * h);
-    decode_record_slot(a1, 64 * h + lane + 32, lut, buf, 32 * h);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) {

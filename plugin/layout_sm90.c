@@ -88,6 +88,88 @@ static int g32_row_anchor(const mm_qmat *m, const uint8_t lut[][8], int r, int *
   return 1;
 }
 
+/* Mode 3: the scale magnitudes of K block kb of source row r (0 for a group
+ * with no nonzero code) and their sign flips; -1 at a NaN scale (group in
+ * *bad). */
+static int g16_block_scales(const mm_qmat *m, int r, int kb, float sabs[8], uint8_t flip[8],
+                            int *bad) {
+  for (int g = 0; g < 8; g++) {
+    const int gi = kb * 8 + g;
+    const uint8_t b = m->scales[(size_t)r * (size_t)(m->cols / 16) + (size_t)gi];
+    if (mm_e4m3_is_nan(b)) {
+      *bad = gi;
+      return -1;
+    }
+    sabs[g] = group_nonzero(m, r, gi) ? fabsf(mm_e4m3_to_float(b)) : 0.0f;
+    flip[g] = (b & 0x80) ? 8 : 0;
+  }
+  return 0;
+}
+
+/* Mode 3: a block's reference exponent, the smallest r with
+ * max_g |s_g| * 6 <= 448 * 2^r (0 for a block without nonzero groups). */
+static int g16_block_rexp(const float sabs[8]) {
+  float smax = 0.0f;
+  for (int g = 0; g < 8; g++)
+    if (sabs[g] > smax) smax = sabs[g];
+  if (smax == 0.0f) return 0;
+  int rexp = -40;
+  while (ldexpf(448.0f, rexp) < smax * 6.0f) rexp++;
+  return rexp;
+}
+
+/* Mode 3: the fold-table index of a group of scale magnitude sabs > 0
+ * against 2^rexp (0, the zero entry, below the table); -1 above it. */
+static int g16_fold_index(float sabs, int rexp) {
+  int e;
+  const float f = frexpf(sabs, &e); /* sabs = 2f * 2^(e-1), 2f in [1, 2) */
+  const int jm = (int)((2.0f * f - 1.0f) * 8.0f), k = (e - 1) - rexp;
+  if (k > MM_SM90_LUT_KMAX) return -1;
+  return k < MM_SM90_LUT_KMIN ? 0 : MM_SM90_LUT_INDEX(k, jm);
+}
+
+/* Mode 3 row anchor: one reference exponent for all K blocks of source row
+ * r, the largest of the blocks' own, if every nonzero weight of the row
+ * folds against it to the same value as against its block's own (the E4M3
+ * rounding is the same unless a value falls among the subnormals or off
+ * the table) and the row factor times 2^R is exact in FP32. The row factor
+ * then carries 2^R and every block's stored reference is 0: the weights
+ * are the same numbers, and the prefill path (references 0 only) can take
+ * the layer. Returns 1 with *R, else 0. */
+static int g16_row_anchor(const mm_qmat *m, const uint8_t lut[][8], int r, int *R) {
+  const int KB = m->cols / 128;
+  float sabs[8];
+  uint8_t flip[8];
+  int bad, best = 0, any = 0;
+  for (int kb = 0; kb < KB; kb++) {
+    if (g16_block_scales(m, r, kb, sabs, flip, &bad)) return 0; /* the per-block path reports it */
+    float smax = 0.0f;
+    for (int g = 0; g < 8; g++) smax = sabs[g] > smax ? sabs[g] : smax;
+    if (smax == 0.0f) continue;
+    const int rexp = g16_block_rexp(sabs);
+    if (!any || rexp > best) best = rexp;
+    any = 1;
+  }
+  for (int kb = 0; kb < KB; kb++) {
+    g16_block_scales(m, r, kb, sabs, flip, &bad);
+    const int rexp = g16_block_rexp(sabs);
+    for (int g = 0; g < 8; g++) {
+      if (sabs[g] == 0.0f) continue;
+      const int ib = g16_fold_index(sabs[g], rexp), ir = g16_fold_index(sabs[g], best);
+      if (ib < 0 || ir < 0) return 0;
+      for (int k = (kb * 8 + g) * 16; k < (kb * 8 + g + 1) * 16; k++) {
+        const int c = code_at(m, r, k) & 7;
+        if (c && ldexpf(mm_e4m3_to_float(lut[ib][c]), rexp) != ldexpf(mm_e4m3_to_float(lut[ir][c]), best))
+          return 0;
+      }
+    }
+  }
+  const float rs = m->row_scale[r], f = ldexpf(rs, best);
+  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  *R = best;
+  return 1;
+}
+
 typedef struct {
   const mm_qmat *m;
   mm_weight_mode mode;
@@ -109,10 +191,13 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
   const size_t rec = mm_sm90_record_bytes(mode);
   for (size_t t = begin; t < end; t++) {
     double e2 = 0.0, r2 = 0.0;
-    int anchored[64], anchor[64]; /* mode 1: g32_row_anchor of each row */
+    int anchored[64], anchor[64] = {0}; /* modes 1 and 3: the row anchor of each row */
     for (int lr = 0; lr < 64; lr++) {
       const int src = mm_sm90_src_row((int)t * 64 + lr, m->rows, j->gate_up);
-      anchored[lr] = mode == MM_WMODE_G32_FP8 && g32_row_anchor(m, (const uint8_t(*)[8])j->lut, src, &anchor[lr]);
+      const uint8_t(*lut)[8] = (const uint8_t(*)[8])j->lut;
+      anchored[lr] = mode == MM_WMODE_G32_FP8   ? g32_row_anchor(m, lut, src, &anchor[lr])
+                     : mode == MM_WMODE_G16_FP8 ? g16_row_anchor(m, lut, src, &anchor[lr])
+                                                : 0;
     }
     for (int kb = 0; kb < KB; kb++) {
       uint8_t *R = j->dst + (t * (size_t)KB + (size_t)kb) * rec;
@@ -170,41 +255,25 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
                                  : (uint8_t)MM_SM90_LUT_INDEX(0, 0);
           }
         } else { /* mode 3: lossy fold relative to a power-of-two reference */
-          float smax = 0.0f, sabs[8];
+          float sabs[8];
+          int bad;
+          if (g16_block_scales(m, src, kb, sabs, flip, &bad)) {
+            const uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 16) + (size_t)bad];
+            snprintf(j->msg[t], 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src, bad, b);
+            return;
+          }
+          /* the row's anchor (reference 0 here, 2^anchor in the row factor),
+           * else the block's own reference */
+          const int rexp = anchored[lr] ? anchor[lr] : g16_block_rexp(sabs);
+          ref[lr] = (int16_t)(anchored[lr] ? 0 : rexp);
           for (int g = 0; g < 8; g++) {
-            int gi = kb * 8 + g;
-            uint8_t b = m->scales[(size_t)src * (size_t)(m->cols / 16) + (size_t)gi];
-            if (mm_e4m3_is_nan(b)) {
-              snprintf(j->msg[t], 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src, gi,
-                       b);
+            const int idx = sabs[g] > 0.0f ? g16_fold_index(sabs[g], rexp) : 0;
+            if (idx < 0) {
+              snprintf(j->msg[t], 256, "row %d group %d: internal fold range error", src,
+                       kb * 8 + g);
               return;
             }
-            sabs[g] = fabsf(mm_e4m3_to_float(b));
-            flip[g] = (b & 0x80) ? 8 : 0;
-            if (!group_nonzero(m, src, gi)) sabs[g] = 0.0f;
-            if (sabs[g] > smax) smax = sabs[g];
-          }
-          int rexp = 0;
-          if (smax > 0.0f) {
-            rexp = -40;
-            while (ldexpf(448.0f, rexp) < smax * 6.0f) rexp++;
-          }
-          ref[lr] = (int16_t)rexp;
-          for (int g = 0; g < 8; g++) {
-            uint8_t idx = 0;
-            if (sabs[g] > 0.0f) {
-              int e;
-              float f = frexpf(sabs[g], &e); /* sabs = 2f * 2^(e-1), 2f in [1, 2) */
-              int jm = (int)((2.0f * f - 1.0f) * 8.0f);
-              int k = (e - 1) - rexp;
-              if (k > MM_SM90_LUT_KMAX) {
-                snprintf(j->msg[t], 256, "row %d group %d: internal fold range error", src,
-                         kb * 8 + g);
-                return;
-              }
-              idx = k < MM_SM90_LUT_KMIN ? 0 : (uint8_t)MM_SM90_LUT_INDEX(k, jm);
-            }
-            sc[lr * 8 + g] = idx;
+            sc[lr * 8 + g] = (uint8_t)idx;
           }
         }
         /* codes */
@@ -230,7 +299,9 @@ static void pack_tiles(void *ctx, size_t begin, size_t end) {
         const int src = mm_sm90_src_row(r, m->rows, j->gate_up);
         for (int kk = 0; kk < 128; kk++) {
           double w = (double)mm_qmat_weight(m, src, kb * 128 + kk);
-          double v = (double)mm_sm90_weight(j->dst, mode, m->rows, m->cols, r, kb * 128 + kk);
+          /* an anchored row's 2^R is in its row factor */
+          double v = (double)ldexpf(mm_sm90_weight(j->dst, mode, m->rows, m->cols, r, kb * 128 + kk),
+                                    anchored[lr] ? anchor[lr] : 0);
           e2 += (v - w) * (v - w);
           r2 += w * w;
         }

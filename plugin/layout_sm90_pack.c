@@ -200,43 +200,109 @@ static int row_scales_g32(const uint8_t *s, const uint8_t nz[4], int stop, int s
   return 0;
 }
 
-/* Mode 3 scales of one row of a record (8 groups of 16): fold indexes
- * relative to a power-of-two reference. Returns 0, or -1 with msg set. */
-static int row_scales_g16_fp8(const pack_tables *T, const uint8_t *s, const uint8_t *codes,
-                              int src, int kb, uint8_t *sc, int16_t *ref, char *msg) {
-  uint8_t mag[8];
-  int mmax = 0;
+/* Mode 3: the scale magnitude bytes of a block row's 8 groups (0 for a
+ * group without nonzero codes) and the magnitudes present in each (bit c);
+ * -1 with *bad at a NaN scale. */
+static int g16_block_mags(const pack_tables *T, const uint8_t *s, const uint8_t *codes,
+                          uint8_t mag[8], uint8_t mask[8], int *bad) {
   for (int g = 0; g < 8; g++) {
     if (mm_e4m3_is_nan(s[g])) {
-      snprintf(msg, 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src, kb * 8 + g, s[g]);
+      *bad = g;
       return -1;
     }
-    uint8_t mask = 0;
-    for (int i = 0; i < 8; i++) mask |= T->mags[codes[8 * g + i]];
-    mag[g] = (mask & 0xFE) ? (uint8_t)(s[g] & 0x7F) : 0; /* an all-zero group does not count */
-    if (mag[g] > mmax) mmax = mag[g];
+    uint8_t m = 0;
+    for (int i = 0; i < 8; i++) m |= T->mags[codes[8 * g + i]];
+    mask[g] = m & 0xFE; /* zero not counted */
+    mag[g] = mask[g] ? (uint8_t)(s[g] & 0x7F) : 0; /* an all-zero group does not count */
   }
-  const int rexp = T->rexp[mmax];
-  *ref = (int16_t)rexp;
-  for (int g = 0; g < 8; g++) {
-    uint8_t idx = 0;
-    if (mag[g]) {
-      int k = T->ex[mag[g]] - rexp;
-      if (k > MM_SM90_LUT_KMAX) {
-        snprintf(msg, 256, "row %d group %d: internal fold range error", src, kb * 8 + g);
-        return -1;
-      }
-      idx = k < MM_SM90_LUT_KMIN ? 0 : (uint8_t)MM_SM90_LUT_INDEX(k, T->jm[mag[g]]);
+  return 0;
+}
+/* Mode 3: the reference exponent of a block row (E4M3 order is value
+ * order, so its largest magnitude byte's). */
+static int g16_block_rexp(const pack_tables *T, const uint8_t mag[8]) {
+  int mmax = 0;
+  for (int g = 0; g < 8; g++)
+    if (mag[g] > mmax) mmax = mag[g];
+  return T->rexp[mmax];
+}
+/* Mode 3: the fold index of magnitude byte mag > 0 against 2^rexp (0, the
+ * zero entry, below the table); -1 above it. */
+static int g16_index(const pack_tables *T, int mag, int rexp) {
+  const int k = T->ex[mag] - rexp;
+  if (k > MM_SM90_LUT_KMAX) return -1;
+  return k < MM_SM90_LUT_KMIN ? 0 : MM_SM90_LUT_INDEX(k, T->jm[mag]);
+}
+
+/* Mode 3 row anchor (the reference's g16_row_anchor): one reference
+ * exponent for all K blocks of source row src where every nonzero weight
+ * folds to the same value as against its block's own, carried by the row
+ * factor. Returns 1 with *R, else 0. */
+static int g16_row_anchor(const pack_tables *T, const mm_qmat *m, int src, int *R) {
+  const int KB = m->cols / 128, ng = m->cols / 16;
+  const uint8_t *s = m->scales + (size_t)src * (size_t)ng;
+  const uint8_t *codes = m->codes + (size_t)src * (size_t)(m->cols / 2);
+  uint8_t mag[8], mask[8];
+  int bad, best = 0, any = 0;
+  for (int kb = 0; kb < KB; kb++) {
+    if (g16_block_mags(T, s + 8 * kb, codes + 64 * kb, mag, mask, &bad)) return 0;
+    int nonzero = 0;
+    for (int g = 0; g < 8; g++) nonzero |= mag[g];
+    if (!nonzero) continue;
+    const int rexp = g16_block_rexp(T, mag);
+    if (!any || rexp > best) best = rexp;
+    any = 1;
+  }
+  for (int kb = 0; kb < KB; kb++) {
+    g16_block_mags(T, s + 8 * kb, codes + 64 * kb, mag, mask, &bad);
+    const int rexp = g16_block_rexp(T, mag);
+    for (int g = 0; g < 8; g++) {
+      if (!mag[g]) continue;
+      const int ib = g16_index(T, mag[g], rexp), ir = g16_index(T, mag[g], best);
+      if (ib < 0 || ir < 0) return 0;
+      for (int c = 1; c < 8; c++)
+        if ((mask[g] >> c & 1) &&
+            ldexpf(T->e4m3[T->lut[ib][c]], rexp) != ldexpf(T->e4m3[T->lut[ir][c]], best))
+          return 0;
     }
-    sc[g] = idx;
+  }
+  const float rs = m->row_scale[src], f = ldexpf(rs, best);
+  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  *R = best;
+  return 1;
+}
+
+/* Mode 3 scales of one row of a record (8 groups of 16): fold indexes
+ * relative to a power-of-two reference, the block's own or with a row
+ * anchor (anchored) 2^R with reference 0; *fold: the exponent the folded
+ * values are relative to. Returns 0, or -1 with msg set. */
+static int row_scales_g16_fp8(const pack_tables *T, const uint8_t *s, const uint8_t *codes,
+                              int src, int kb, int anchored, int R, uint8_t *sc, int16_t *ref,
+                              int *fold, char *msg) {
+  uint8_t mag[8], mask[8];
+  int bad;
+  if (g16_block_mags(T, s, codes, mag, mask, &bad)) {
+    snprintf(msg, 256, "row %d group %d: E4M3 scale byte 0x%02X is NaN", src, kb * 8 + bad, s[bad]);
+    return -1;
+  }
+  const int rexp = anchored ? R : g16_block_rexp(T, mag);
+  *ref = (int16_t)(anchored ? 0 : rexp);
+  *fold = rexp;
+  for (int g = 0; g < 8; g++) {
+    const int idx = mag[g] ? g16_index(T, mag[g], rexp) : 0;
+    if (idx < 0) {
+      snprintf(msg, 256, "row %d group %d: internal fold range error", src, kb * 8 + g);
+      return -1;
+    }
+    sc[g] = (uint8_t)idx;
   }
   return 0;
 }
 
-/* Mode 3 fold error of one record row, in the reference's order. */
+/* Mode 3 fold error of one record row, in the reference's order; fold: the
+ * exponent its values are relative to. */
 static void fold_error_row(const pack_tables *T, const uint8_t *codes, const uint8_t *s,
-                           const uint8_t *sc, int16_t ref, double *e2, double *r2) {
-  const float p2 = mm_sm90_pow2(ref);
+                           const uint8_t *sc, int fold, double *e2, double *r2) {
+  const float p2 = mm_sm90_pow2(fold);
   for (int kk = 0; kk < 128; kk++) {
     const int g = kk >> 4;
     int c = (codes[kk >> 1] >> ((kk & 1) * 4)) & 15;
@@ -259,6 +325,7 @@ static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int 
   const int G = mm_sm90_groups_per_row(mode);
   uint8_t in[64 * 64]; /* the record's source code bytes, row-major, signs flipped (mode 3) */
   int16_t ref[64];
+  int fold[64]; /* mode 3: the exponent of each row's folded values */
   uint8_t *sc = R + mm_sm90_scale_offset();
   for (int lr = 0; lr < 64; lr++) {
     const int r = 64 * t + lr;
@@ -285,7 +352,9 @@ static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int 
                          anchored[lr], anchor[lr], sc + lr * 4, &ref[lr], msg))
         return -1;
     } else {
-      if (row_scales_g16_fp8(T, s, codes, src, kb, sc + lr * 8, &ref[lr], msg)) return -1;
+      if (row_scales_g16_fp8(T, s, codes, src, kb, anchored[lr], anchor[lr], sc + lr * 8, &ref[lr],
+                             &fold[lr], msg))
+        return -1;
       for (int g = 0; g < 8; g++) /* a negative scale negates the group's codes */
         if (s[g] & 0x80)
           for (int i = 0; i < 8; i++) row[8 * g + i] = T->flip[row[8 * g + i]];
@@ -302,7 +371,7 @@ static int pack_record(const pack_tables *T, const mm_qmat *m, int gate_up, int 
   for (int lr = 0; mode == MM_WMODE_G16_FP8 && lr < 64; lr++) {
     const int src = mm_sm90_src_row(64 * t + lr, m->rows, gate_up);
     fold_error_row(T, m->codes + (size_t)src * cb + 64 * (size_t)kb,
-                   m->scales + (size_t)src * ng + (size_t)(8 * kb), sc + lr * 8, ref[lr], e2,
+                   m->scales + (size_t)src * ng + (size_t)(8 * kb), sc + lr * 8, fold[lr], e2,
                    r2);
   }
   return 0;
@@ -334,9 +403,9 @@ static void pack_item(void *ctx, size_t item) {
   const size_t rec = mm_sm90_record_bytes(p->T->mode);
   double e2 = 0.0, r2 = 0.0;
   /* mode 1: the groups' magnitude sets of the tile's rows, once, and the
-   * row anchors from them */
+   * row anchors from them; mode 3: the row anchors */
   const int g32 = p->T->mode == MM_WMODE_G32_FP8, ng = pm->m->cols / 32;
-  int anchored[64] = {0}, anchor[64];
+  int anchored[64] = {0}, anchor[64] = {0};
   uint8_t *nz = g32 ? malloc((size_t)64 * (size_t)(ng + KB)) : NULL;
   uint8_t *stops = nz ? nz + 64 * (size_t)ng : NULL; /* [64][KB]: each block's anchor shift */
   if (g32 && !nz) {
@@ -348,6 +417,9 @@ static void pack_item(void *ctx, size_t item) {
     g32_row_mags(p->T, pm->m->codes + (size_t)src * (size_t)(pm->m->cols / 2), ng, nz + (size_t)lr * ng);
     anchored[lr] = g32_row_anchor(p->T, pm->m, src, nz + (size_t)lr * ng, stops + lr * KB, &anchor[lr]);
   }
+  for (int lr = 0; p->T->mode == MM_WMODE_G16_FP8 && lr < 64; lr++)
+    anchored[lr] = g16_row_anchor(p->T, pm->m, mm_sm90_src_row(64 * t + lr, pm->m->rows, pm->gate_up),
+                                  &anchor[lr]);
   for (int kb = 0; kb < KB; kb++) {
     uint8_t *R = pm->dst + ((size_t)t * (size_t)KB + (size_t)kb) * rec;
     if (pack_record(p->T, pm->m, pm->gate_up, t, kb, nz, stops, anchored, anchor, R, pm->row_scale,

@@ -54,6 +54,16 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
             b = (uint8_t)(0x20 + mm_test_rand_u64() % 0x38); /* 2^-3 .. ~2^3.9 */
           } while (mm_e4m3_is_nan(b));
           if (mm_test_rand_u64() % 16 == 0) b = (uint8_t)(mm_test_rand_u64() % 8); /* subnormal/zero */
+          /* Mode 3's row anchor: every 128-column block's largest scale
+           * 2^4, so that its blocks share one reference and the packer
+           * moves it into the row factor (the prefill path takes only
+           * such layers); w2 up to 256 columns, every 7th row: its second
+           * block all subnormal scales, whose weights would round
+           * differently against the row's reference: per-block references
+           * (the WGMMA path's reference multiply; the prefill path
+           * refuses the layer). */
+          if (g % 8 == 5) b = 0x58;
+          if (j == 1 && m->cols <= 256 && r % 7 == 3 && g / 8 == 1) b = (uint8_t)(1 + mm_test_rand_u64() % 7);
         }
         m->scales[(size_t)r * G + g] = exact ? (gran == 32 ? 127 : 0x38) : b;
       }
@@ -425,8 +435,8 @@ static void run_case(mm_weight_mode mode, const shape *s) {
      * the data's tail rather than a kernel's error (a broken decode is O(1)
      * here). */
     const double tol_m3 = 5.0 * mm_sm90_layer_fold_error(L);
-    /* the prefill path (mode 1 with zero references only; main plans its
-     * workspace region at every size) */
+    /* the prefill path (modes 1 and 3 with zero references only; main
+     * plans its workspace region at every size) */
     for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_PREFILL; path++) {
       if (g_only_path >= 0 && path != g_only_path) continue;
       CUDA_OK(cudaMemset(d_out, 0xFF, 2 * (size_t)M * H)); /* NaN */
@@ -438,9 +448,10 @@ static void run_case(mm_weight_mode mode, const shape *s) {
         g_have_wgmma_fail++;
         continue;
       }
-      if (path == MM_SM90_PATH_PREFILL && (mode != MM_WMODE_G32_FP8 || err)) {
-        /* other modes, and mode 1 with references in its blocks, are
-         * refused with a reason */
+      if (path == MM_SM90_PATH_PREFILL &&
+          ((mode != MM_WMODE_G32_FP8 && mode != MM_WMODE_G16_FP8) || err)) {
+        /* other modes, and modes 1 and 3 with references in their blocks,
+         * are refused with a reason */
         CHECK_MSG(err && err->code == MEGAMOE_CODE_UNIMPLEMENTED, "mode %d: prefill path not refused",
                   (int)mode);
         if (err) printf("# prefill path: %s\n", err->message);
@@ -582,7 +593,14 @@ static void test_mode1_g32(void) {
   CHECK(g_prefill_runs > 0 || (g_only_path >= 0 && g_only_path != MM_SM90_PATH_PREFILL));
 }
 static void test_mode2_g16_exact(void) { test_mode(MM_WMODE_G16_BF16_EXACT); }
-static void test_mode3_g16_fp8(void) { test_mode(MM_WMODE_G16_FP8); }
+static void test_mode3_g16_fp8(void) {
+  const int before = g_prefill_runs;
+  test_mode(MM_WMODE_G16_FP8);
+  /* rows whose blocks share their largest scale anchor: the prefill path
+   * must have run mode 3 too */
+  printf("# prefill path: %d mode 3 cases computed\n", g_prefill_runs - before);
+  CHECK(g_prefill_runs > before || (g_only_path >= 0 && g_only_path != MM_SM90_PATH_PREFILL));
+}
 static void test_mode4_g32_f16_exact(void) { test_mode(MM_WMODE_G32_F16_EXACT); }
 static void test_mode1_extreme_exponents(void) {
   const shape s = {256, 128, 2, k_counts_a, 0, 0.0f, 1, 0, 0};

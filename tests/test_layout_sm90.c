@@ -43,7 +43,7 @@ static double compare_all(const mm_qmat *m, mm_weight_mode mode, int gate_up, co
   for (int r = 0; r < m->rows; r++) {
     int src = mm_sm90_src_row(r, m->rows, gate_up);
     const int R = row_anchor_of(rs[r], m->row_scale[src]);
-    if (mm_sm90_record_mode(mode) != MM_WMODE_G32_FP8) CHECK_EQ_INT(R, 0);
+    if (mode == MM_WMODE_G16_BF16_EXACT) CHECK_EQ_INT(R, 0);
     for (int k = 0; k < m->cols; k++) {
       float w = mm_qmat_weight(m, src, k);
       float v = ldexpf(mm_sm90_weight(blob, mode, m->rows, m->cols, r, k), R);
@@ -270,6 +270,85 @@ static void test_g16_modes(void) {
       free(blob);
       mm_qmat_free(&m);
     }
+}
+
+/* Mode 3's row anchor (docs/LAYOUTS.md): a row takes one reference where
+ * every weight folds to its block's own value. Every weight of the packed
+ * matrix, anchored or not, must be E4M3_RNE(w / 2^r_b) * 2^r_b with r_b
+ * its block's reference (the smallest r with max |s| * 6 <= 448 * 2^r),
+ * computed here from the canonical weights. Rows (r % 4): 0 blocks of one
+ * reference (the block maximum pinned) with subnormal and negative scales
+ * among the others: anchored; 1 one block of subnormal scales beside
+ * blocks at 448: its smallest weights would round differently against
+ * the row's reference, so per-block references; 2 like 0 with a row factor
+ * whose product with 2^R overflows: per-block; 3 random moderate scales,
+ * which anchor unless a block's small weights would round differently. */
+static void test_g16_row_anchor(void) {
+  const int rows = 128, cols = 512, KB = cols / 128, G = cols / 16;
+  mm_qmat m;
+  CHECK(mm_qmat_alloc(&m, rows, cols, 16, MM_SF_E4M3) == 0);
+  rand_codes(&m);
+  for (int r = 0; r < rows; r++) {
+    m.row_scale[r] = r % 4 == 2 ? 3e38f : mm_test_uniform(1e-3f, 1e-2f);
+    for (int g = 0; g < G; g++) {
+      uint8_t b;
+      do {
+        b = (uint8_t)(0x20 + mm_test_rand_u64() % 0x30);
+      } while (mm_e4m3_is_nan(b));
+      if (r % 4 != 3 && mm_test_rand_u64() % 8 == 0) b = (uint8_t)(1 + mm_test_rand_u64() % 7);
+      if (r % 4 != 3 && g % 8 == 3) b = r % 4 == 2 ? 0x6A : 0x50; /* each block's largest: R = 1 or -3 */
+      if (mm_test_rand_u64() % 5 == 0) b |= 0x80; /* negative scales flip codes */
+      if (r % 4 == 1) b = (uint8_t)(g / 8 == 2 ? 1 + g % 7 : 0x7E);
+      m.scales[(size_t)r * G + g] = b;
+    }
+    for (int i = 0; i < cols / 2; i++) /* magnitude 1 (0.5) in every group */
+      if (i % 8 == 0) m.codes[(size_t)r * (cols / 2) + i] = 0x11;
+  }
+  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, rows, cols));
+  float rs[128];
+  double fe[2];
+  CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_FP8, 0, blob, rs, fe));
+  int anchored[4] = {0, 0, 0, 0}, bad = 0;
+  for (int r = 0; r < rows; r++) {
+    int zero = 1;
+    for (int kb = 0; kb < KB; kb++) {
+      int16_t ref;
+      memcpy(&ref, blob + ((size_t)(r / 64) * KB + kb) * mm_sm90_record_bytes(MM_WMODE_G16_FP8) +
+                       mm_sm90_ref_offset(MM_WMODE_G16_FP8) + 2 * (r % 64), 2);
+      zero &= ref == 0;
+    }
+    const int R = row_anchor_of(rs[r], m.row_scale[r]);
+    if (!zero) CHECK(rs[r] == m.row_scale[r]);
+    anchored[r % 4] += zero;
+    for (int kb = 0; kb < KB; kb++) {
+      float smax = 0.0f;
+      for (int g = 0; g < 8; g++) {
+        int nz = 0;
+        for (int k = (kb * 8 + g) * 16; k < (kb * 8 + g + 1) * 16; k++) nz |= mm_qmat_weight(&m, r, k) != 0.0f;
+        const float a = fabsf(mm_qmat_group_scale(&m, r, kb * 8 + g));
+        if (nz && a > smax) smax = a;
+      }
+      int rb = 0;
+      if (smax > 0.0f)
+        for (rb = -40; ldexpf(448.0f, rb) < smax * 6.0f; rb++) {
+        }
+      for (int k = kb * 128; k < kb * 128 + 128; k++) {
+        const float w = mm_qmat_weight(&m, r, k);
+        const float want = ldexpf(mm_e4m3_to_float(mm_float_to_e4m3(ldexpf(w, -rb))), rb);
+        const float v = ldexpf(mm_sm90_weight(blob, MM_WMODE_G16_FP8, rows, cols, r, k), R);
+        if (v != want && bad++ < 3) printf("# row %d k %d: %g, the block's fold %g\n", r, k, v, want);
+      }
+    }
+  }
+  printf("# rows anchored by class: %d %d %d %d of %d; fold error %.4f\n", anchored[0],
+         anchored[1], anchored[2], anchored[3], rows / 4, sqrt(fe[0] / fe[1]));
+  CHECK_EQ_INT(bad, 0);
+  CHECK_EQ_INT(anchored[0], rows / 4);
+  CHECK_EQ_INT(anchored[1], 0);
+  CHECK_EQ_INT(anchored[2], 0);
+  CHECK(anchored[3] > 0);
+  free(blob);
+  mm_qmat_free(&m);
 }
 
 /* Bit-level: the word of thread t holds exactly its A-fragment elements. */
@@ -577,5 +656,6 @@ int main(void) {
   RUN(test_g32_row_anchor);
   RUN(test_g32_refuses_unfoldable);
   RUN(test_g16_modes);
+  RUN(test_g16_row_anchor);
   return mm_test_done();
 }
