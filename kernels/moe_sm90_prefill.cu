@@ -98,26 +98,40 @@ template <int GEMM>
 struct PfCfg {
   static constexpr bool kSplitN = GEMM == 1;
   static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
-  static constexpr int kA = BM * 128, kB = BN * 128, kS = 1024; /* 1024-aligned stages */
+  static constexpr int kA = BM * 128, kB = BN * 128;
+  static constexpr int kStage = kA + kB; /* a stage's tiles, 1024-aligned */
   static constexpr int kScaleBox = BM + 4; /* token scales from row0 & ~3 */
-  static constexpr int kStage = kA + kB + kS;
+  /* the token scales' ring beside the tiles' (a tensor copy's destination:
+   * 128-byte aligned). As a third part of each 1024-aligned stage they took
+   * 1024 bytes a stage, which left no room for mode 3's fold table. */
+  static constexpr int kSlot = (4 * kScaleBox + 127) / 128 * 128;
   static constexpr int kStg = 2 * 16384;  /* per consumer: 64 rows x 128 BF16 columns */
   static constexpr int kDec = 3 * 8192;   /* per decoder warp: two 32 x 128 tiles */
-  static constexpr int kFixed = kStg + kDec + 256 + 2048 + 1024 + 1024 + 256;
-  static constexpr int kStages0 = (232448 - 1024 - kFixed) / kStage;
+  /* the fold table: mode 1's compact one (its 26 entries (k, 0), 256
+   * bytes), or mode 3's whole one (208 entries, 1664 bytes) */
+  static constexpr int kLut = 2048;
+  static constexpr int kFixed = kStg + kDec + kLut + 2048 + 1024 + 1024 + 256;
+  static constexpr int kStages0 = (232448 - 1024 - kFixed) / (kStage + kSlot);
   static constexpr int kStages = kStages0 > 8 ? 8 : kStages0;
   static constexpr int kOffStg = kStages * kStage;
   static constexpr int kOffDec = kOffStg + kStg;   /* 1024-aligned: swizzled tiles */
-  static constexpr int kOffLut = kOffDec + kDec;   /* compact fold table, 256-aligned */
-  static constexpr int kOffFac = kOffLut + 256;    /* row factors [2 wg][2 parity][128] */
+  static constexpr int kOffLut = kOffDec + kDec;   /* fold table, 256-aligned */
+  static constexpr int kOffFac = kOffLut + kLut;   /* row factors [2 wg][2 parity][128] */
   static constexpr int kOffRed = kOffFac + 2048;   /* L1 amax [2 parity][2 wg][64]; L2
                                                       out rows [2 wg][2 parity][64] */
   static constexpr int kOffSched = kOffRed + 1024; /* unit and task prefixes, offsets */
-  static constexpr int kOffBar = kOffSched + 1024;
+  static constexpr int kOffScl = kOffSched + 1024; /* token scales [kStages][kSlot] */
+  static constexpr int kOffBar = kOffScl + kStages * kSlot;
   static constexpr int kBytes = kOffBar + 256 + 1024;
+  static_assert(kBytes <= 232448, "shared memory");
+  static_assert(MM_SM90_LUT_ENTRIES * 8 <= kLut, "mode 3's fold table");
   static_assert(kStages >= 3, "at least three stages");
   static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
 };
+
+/* the rings' depths on an H200's 227 KB: one stage fewer in L1 ran 11%
+ * slower at M = 32768 (docs/PERF.md, version 24) */
+static_assert(PfCfg<1>::kStages == 4 && PfCfg<2>::kStages == 5, "stage counts");
 
 /* a descriptor from its low word (desc_b's high word: 1024-byte stride,
  * 128B swizzle) */
@@ -206,7 +220,10 @@ __global__ void __launch_bounds__(384, 1)
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
     }
   }
-  if (threadIdx.x >= 32 && threadIdx.x < 96) { /* the compact fold table: entries (k, 0) */
+  if (p.mode == 3) { /* the whole fold table */
+    for (int i = threadIdx.x; i < MM_SM90_LUT_ENTRIES * 2; i += blockDim.x)
+      ((uint32_t *)(sm + G::kOffLut))[i] = ((const uint32_t *)p.lut)[i];
+  } else if (threadIdx.x >= 32 && threadIdx.x < 96) { /* the compact one: entries (k, 0) */
     const int i = threadIdx.x - 32;
     const int src = (i >> 1) * 16 + (i & 1);
     ((uint32_t *)(sm + G::kOffLut))[i] =
@@ -258,7 +275,7 @@ __global__ void __launch_bounds__(384, 1)
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
         }
       };
-      if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>(), p.lut);
+      if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>(), sm + G::kOffLut);
       else decode_tasks(std::integral_constant<int, 1>(), sm + G::kOffLut);
     } else if (threadIdx.x == 0) { /* copies */
       int stage = 0, e_ready = -1;
@@ -297,7 +314,7 @@ __global__ void __launch_bounds__(384, 1)
           /* the token scales from row0 & ~3: a box's first element must
            * sit 16-byte aligned (an unaligned one is an illegal
            * instruction) */
-          tma_2d(st + G::kA + G::kB, &ts, un.row0 & ~3, kb, &full[stage]);
+          tma_2d(sm + G::kOffScl + stage * G::kSlot, &ts, un.row0 & ~3, kb, &full[stage]);
           if (++stage == G::kStages) {
             stage = 0;
             phase ^= 1;
@@ -345,12 +362,12 @@ __global__ void __launch_bounds__(384, 1)
     return s;
   };
   /* the promotion of the block at stage s (its group in acc), kPending
-   * groups left in flight; sc0: the scales' offset in a stage */
+   * groups left in flight; sc0: the warpgroup's scales in stage 0's slot */
   auto promote = [&](float(&acc)[64], int s, const float *sc0, auto pending) {
     uint32_t peer[CS - 1];
 #pragma unroll
     for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * s;
-    const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kStage);
+    const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
   set_max_regs_inc<kConsumerRegs>();
@@ -381,8 +398,9 @@ __global__ void __launch_bounds__(384, 1)
      * queued before block i's promotion, so the warpgroup's tensor work
      * does not stop for it. Nothing stays in flight across a loop's back
      * edge: ptxas then serializes every MMA of the kernel. */
-    /* the warpgroup's token scales in a stage (the box starts at row0 & ~3) */
-    const float *sc0 = (const float *)(sm + G::kA + G::kB) + (un.row0 & 3) + aoff;
+    /* the warpgroup's token scales in stage 0's slot (the box starts at
+     * row0 & ~3) */
+    const float *sc0 = (const float *)(sm + G::kOffScl) + (un.row0 & 3) + aoff;
     /* a run of n blocks, the first already issued into acc0 at stage s0;
      * acc0 and acc1 alternate */
     auto run = [&](auto len, int s0) {

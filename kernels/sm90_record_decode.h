@@ -62,9 +62,9 @@ __device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecS
 /* The slot's 64 bytes into a 32-row half tile (rows row_base .. + 31 of the
  * record), 128B-swizzled: 16-byte chunk ^ row % 8 (= g), so that the 8
  * rows of a warp's 4-byte store land in 8 chunks instead of one bank
- * quarter. lut: mode 1's compact fold table in shared memory (256-aligned),
- * mode 3's full table in global memory (1.6 KB, cached in L1: the prefill
- * kernel's shared memory has no room for it beside its stages). */
+ * quarter. lut: the fold table in shared memory, mode 1's compact one
+ * (256-aligned) or mode 3's whole one (from global memory, L1-cached, the
+ * prefill path's mode 3 ran 4-7% slower: docs/PERF.md, version 25). */
 template <int MODE>
 __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
                                                    uint8_t *tile, int row_base) {
@@ -81,9 +81,11 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
       hy = ly;
     } else {
       const uint32_t v = r.sb[rr][s / 2]; /* groups 2s, 2s + 1: bytes 2 (s % 2) and + 1 */
-      const uint2 el = __ldg((const uint2 *)lut + prmt(v, 0, 0x4440 | (2 * (s & 1))));
-      const uint2 eh = __ldg((const uint2 *)lut + prmt(v, 0, 0x4440 | (2 * (s & 1) + 1)));
-      lx = el.x, ly = el.y, hx = eh.x, hy = eh.y;
+      const uint32_t t = smem_u32(lut);
+      asm("ld.shared.v2.u32 {%0, %1}, [%2];"
+          : "=r"(lx), "=r"(ly) : "r"(t + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1)))));
+      asm("ld.shared.v2.u32 {%0, %1}, [%2];"
+          : "=r"(hx), "=r"(hy) : "r"(t + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1) + 1))));
     }
     rec_dec8(words[u], lx, ly, hx, hy, lo, hi);
     const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128) + 4 * q;
