@@ -19,7 +19,7 @@
  * mode 3 (fp8, the default here) or mode 2 (bf16-exact).
  * --requant: a gran-16 checkpoint requantized to gran 32 (mode 1 or 4);
  * --profile-only: only the expert compute (for ncu / nsys), no baselines;
- * --block-refs (modes 1, 4): every block keeps its rows' reference exponent
+ * --block-refs (modes 1, 3, 4): every block keeps its rows' reference exponent
  * (rows without the packer's row anchor) instead of reference 0 everywhere;
  * --loads: which expert loads to run per M (default all three): uniform (M / E
  * rows each), skewed (expert 0 takes half) and random (each row routed to an
@@ -28,8 +28,8 @@
  * --out-rows: the pool's rows go to out rows through a map (a fixed random
  * permutation), as the expert-parallel path has them write straight into the
  * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
- * --path: auto (the default) runs what the product picks per call (mode 1's
- * prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
+ * --path: auto (the default) runs what the product picks per call (the FP8
+ * modes' prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
  * WGMMA kernels); wgmma, prefill and simt force one;
  * --prefill-experts: experts per launch pair of the prefill path
  * (compute.prefill-experts, 1-32; default 16);

@@ -82,7 +82,7 @@ typedef struct mm_expert_pool {
  * mm_sm90_prefill_planned). Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 /* The least a compute call accepts: without the prefill path's weight
- * region (mode 1 from MM_SM90_PREFILL_MIN_ROWS rows per expert;
+ * region (modes 1 and 3 from MM_SM90_PREFILL_MIN_ROWS rows per expert;
  * layout_sm90.h), which a call given less than mm_sm90_workspace_bytes
  * then does without. */
 size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *layer, int num_rows_max);
@@ -100,7 +100,7 @@ typedef enum {
   MM_SM90_PATH_AUTO = 0,  /* WGMMA where the shape allows, else CUDA cores */
   MM_SM90_PATH_SIMT = 1,  /* plain CUDA-core kernels (debug reference) */
   MM_SM90_PATH_WGMMA = 2, /* WGMMA only; error if the shape is unsupported */
-  MM_SM90_PATH_PREFILL = 3 /* mode 1's prefill path only (moe_sm90_prefill.cu); error
+  MM_SM90_PATH_PREFILL = 3 /* the FP8 modes' prefill path only (moe_sm90_prefill.cu); error
                               if the layer or the workspace has no place for it */
 } mm_sm90_path;
 

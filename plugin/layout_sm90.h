@@ -225,10 +225,10 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
   return w;
 }
 
-/* Mode 1's prefill path (kernels/moe_sm90_prefill.cu): the average rows
- * per expert from which it runs (AUTO) and from which a plan holds its
- * workspace region (docs/PERF.md, version 21), and the most experts per
- * launch pair. */
+/* The FP8 modes' prefill path (kernels/moe_sm90_prefill.cu): the average
+ * rows per expert from which it runs (AUTO) and from which a plan holds its
+ * workspace region (mode 1's crossover, docs/PERF.md, version 21; mode 3
+ * uses the same), and the most experts per launch pair. */
 #define MM_SM90_PREFILL_MIN_ROWS 768
 #define MM_SM90_PREFILL_CHUNK 32
 /* compute.prefill-experts' default: half the region of 32 (403 MB for
