@@ -109,6 +109,18 @@ static inline int mm_test_skip_all(const char *reason) {
   return 0;
 }
 
+/* Zeroed memory for a test's buffers; out of memory ends the binary with a
+ * message (a Bail out! line: the run counts as failed) instead of a crash
+ * on a NULL pointer. */
+static inline void *mm_test_alloc(size_t bytes) {
+  void *p = calloc(bytes ? bytes : 1, 1);
+  if (!p) {
+    printf("Bail out! out of memory (%zu bytes)\n", bytes);
+    exit(1);
+  }
+  return p;
+}
+
 /* Deterministic per-test random numbers (splitmix64); seed from
  * MEGAMOE_TEST_SEED or the time, printed so a failure can be replayed. */
 static uint64_t mm_test_rng_state_ = 0;

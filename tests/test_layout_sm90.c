@@ -68,8 +68,8 @@ static void same_records_mode4(const mm_qmat *m, int gate_up, const uint8_t *mod
   const size_t bytes = mm_sm90_matrix_bytes(MM_WMODE_G32_F16_EXACT, m->rows, m->cols);
   CHECK(bytes == mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m->rows, m->cols));
   CHECK(mm_sm90_record_bytes(MM_WMODE_G32_F16_EXACT) == 4480);
-  uint8_t *blob = malloc(bytes);
-  float *rs = malloc(sizeof(float) * (size_t)m->rows);
+  uint8_t *blob = mm_test_alloc(bytes);
+  float *rs = mm_test_alloc(sizeof(float) * (size_t)m->rows);
   memset(blob, 0x5A, bytes);
   CHECK_OK(mm_sm90_pack_matrix(m, MM_WMODE_G32_F16_EXACT, gate_up, blob, rs, NULL));
   CHECK(memcmp(blob, mode1, bytes) == 0);
@@ -114,8 +114,8 @@ static void test_g32_exact_random(void) {
                 (uint8_t)(base - (int)(mm_test_rand_u64() % 15));
         }
       }
-      uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m.rows, m.cols));
-      float *rs = malloc(sizeof(float) * m.rows);
+      uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, m.rows, m.cols));
+      float *rs = mm_test_alloc(sizeof(float) * m.rows);
       double fe[2];
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, gate_up, blob, rs, fe));
       check_compact_indices(blob, m.rows, m.cols);
@@ -142,7 +142,7 @@ static void test_g32_extremes(void) {
   /* an all-zero group with a far-away exponent must not matter */
   for (int k = 32; k < 64; k++) mm_fp4_set(m.codes + 5 * 128, (size_t)k, (k & 1) ? 8 : 0);
   m.scales[5 * 8 + 1] = 3;
-  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 256));
+  uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 256));
   float rs[64];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
   check_compact_indices(blob, 64, 256);
@@ -175,7 +175,7 @@ static void test_g32_row_anchor(void) {
       m.scales[(size_t)r * (cols / 32) + g] = (uint8_t)b;
     }
   }
-  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, rows, cols));
+  uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, rows, cols));
   float rs[64];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL));
   check_compact_indices(blob, m.rows, m.cols);
@@ -210,7 +210,7 @@ static void test_g32_refuses_unfoldable(void) {
   for (size_t i = 0; i < 64 * 64; i++) m.codes[i] = 0x73; /* codes 3 (1.5) and 7 (6) */
   for (size_t i = 0; i < 64 * 4; i++) m.scales[i] = 127;
   m.scales[17 * 4 + 2] = 127 - 16; /* 1.5 * 2^-16 relative: cannot fold */
-  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 128));
+  uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 64, 128));
   float rs[64];
   mm_err *e = mm_sm90_pack_matrix(&m, MM_WMODE_G32_FP8, 0, blob, rs, NULL);
   CHECK(e != NULL);
@@ -248,7 +248,7 @@ static void test_g16_modes(void) {
       mm_qmat m;
       CHECK(mm_qmat_alloc(&m, 128, 384, 16, MM_SF_E4M3) == 0);
       fill_g16(&m, all_bytes);
-      uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, 128, 384));
+      uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, 128, 384));
       float rs[128];
       double fe[2];
       CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_BF16_EXACT, gate_up, blob, rs, fe));
@@ -304,7 +304,7 @@ static void test_g16_row_anchor(void) {
     for (int i = 0; i < cols / 2; i++) /* magnitude 1 (0.5) in every group */
       if (i % 8 == 0) m.codes[(size_t)r * (cols / 2) + i] = 0x11;
   }
-  uint8_t *blob = malloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, rows, cols));
+  uint8_t *blob = mm_test_alloc(mm_sm90_matrix_bytes(MM_WMODE_G16_FP8, rows, cols));
   float rs[128];
   double fe[2];
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_FP8, 0, blob, rs, fe));
@@ -595,7 +595,7 @@ static void test_prefill_units(void) {
       for (size_t c = 0; c < sizeof(k_tiles) / sizeof(k_tiles[0]); c++) {
         const int cs = k_cs[a], nt = k_nt[b], tiles = k_tiles[c], sets = tiles / cs;
         const int units = mm_sm90_prefill_units(tiles, cs, nt);
-        int *count = calloc((size_t)(tiles ? tiles : 1) * nt, sizeof(int));
+        int *count = mm_test_alloc(sizeof(int) * (size_t)(tiles ? tiles : 1) * (size_t)nt);
         CHECK(units <= (tiles + cs - 1) / cs * nt);
         for (int v = 0; v < units; v++) {
           int mt0 = 0, ct0 = 0, split0 = 0;
