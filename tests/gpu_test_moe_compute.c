@@ -779,6 +779,20 @@ int main(void) {
                   : !strcmp(only, "wgmma")   ? MM_SM90_PATH_WGMMA
                   : !strcmp(only, "prefill") ? MM_SM90_PATH_PREFILL
                                              : -1;
+  /* MEGAMOE_TEST_MODE=1..4: that weight mode's shapes only (a quick look
+   * at one mode's data or kernels) */
+  const char *mode_only = getenv("MEGAMOE_TEST_MODE");
+  if (mode_only) {
+    void (*const by_mode[5])(void) = {NULL, test_mode1_g32, test_mode2_g16_exact,
+                                      test_mode3_g16_fp8, test_mode4_g32_f16_exact};
+    const int m = atoi(mode_only);
+    if (m < 1 || m > 4) {
+      printf("Bail out! MEGAMOE_TEST_MODE=%s is not 1-4\n", mode_only);
+      return 1;
+    }
+    mm_test_run_(mode_only, by_mode[m]);
+    return mm_test_done();
+  }
   RUN(test_bad_args);
   RUN(test_silu_every_bf16);
   RUN(test_mode1_g32);
