@@ -33,6 +33,19 @@ static int row_anchor_of(float rs, float row_scale) {
   return ldexpf(row_scale, er - es) == rs ? er - es : 0;
 }
 
+/* 1 if every K block of layout row r stores reference exponent 0 (the
+ * row anchor moved its reference into the row factor). */
+static int refs_all_zero(const uint8_t *blob, mm_weight_mode mode, int KB, int r) {
+  int zero = 1;
+  for (int kb = 0; kb < KB; kb++) {
+    int16_t ref;
+    memcpy(&ref, blob + ((size_t)(r / 64) * KB + kb) * mm_sm90_record_bytes(mode) +
+                     mm_sm90_ref_offset(mode) + 2 * (r % 64), 2);
+    zero &= ref == 0;
+  }
+  return zero;
+}
+
 /* Compares every layout weight with the canonical one (times the power of
  * two the row factor took from it); returns max |rel err|. rs: the packer's
  * row factors. */
@@ -184,13 +197,7 @@ static void test_g32_row_anchor(void) {
   CHECK_EQ_INT(bad, 0);
   int anchored = 0, kept = 0;
   for (int r = 0; r < rows; r++) {
-    int zero = 1;
-    for (int kb = 0; kb < KB; kb++) {
-      int16_t ref;
-      memcpy(&ref, blob + ((size_t)(r / 64) * KB + kb) * mm_sm90_record_bytes(MM_WMODE_G32_FP8) +
-                       mm_sm90_ref_offset(MM_WMODE_G32_FP8) + 2 * (r % 64), 2);
-      zero &= ref == 0;
-    }
+    const int zero = refs_all_zero(blob, MM_WMODE_G32_FP8, KB, r);
     const int expect = r % 4 == 0 || r % 4 == 3;
     CHECK_EQ_INT(zero, expect);
     if (!expect) CHECK(rs[r] == m.row_scale[r]);
@@ -310,13 +317,7 @@ static void test_g16_row_anchor(void) {
   CHECK_OK(mm_sm90_pack_matrix(&m, MM_WMODE_G16_FP8, 0, blob, rs, fe));
   int anchored[4] = {0, 0, 0, 0}, bad = 0;
   for (int r = 0; r < rows; r++) {
-    int zero = 1;
-    for (int kb = 0; kb < KB; kb++) {
-      int16_t ref;
-      memcpy(&ref, blob + ((size_t)(r / 64) * KB + kb) * mm_sm90_record_bytes(MM_WMODE_G16_FP8) +
-                       mm_sm90_ref_offset(MM_WMODE_G16_FP8) + 2 * (r % 64), 2);
-      zero &= ref == 0;
-    }
+    const int zero = refs_all_zero(blob, MM_WMODE_G16_FP8, KB, r);
     const int R = row_anchor_of(rs[r], m.row_scale[r]);
     if (!zero) CHECK(rs[r] == m.row_scale[r]);
     anchored[r % 4] += zero;
