@@ -77,8 +77,8 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
       }
       /* NVFP4: per-projection globals (gate and up may differ) */
       if (gran == 16) m->row_scale[r] = (j == 0 && r >= I) ? 0.004f : 0.0025f;
-      if (gran == 16 && j == 1 && m->cols <= 256 && r % 7 == 3) m->row_scale[r] *= 0x1p-5f;
       else m->row_scale[r] = 1.0f;
+      if (gran == 16 && j == 1 && m->cols <= 256 && r % 7 == 3) m->row_scale[r] *= 0x1p-5f;
     }
     /* K normalisation: keep activations O(1) */
     float norm = 1.0f / sqrtf((float)m->cols);
