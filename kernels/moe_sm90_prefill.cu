@@ -76,7 +76,7 @@ struct PfParams {
   const uint8_t *w;   /* layer records */
   size_t expert_bytes, mat_off;
   const float *rs;    /* row factors [E][N] of the matrix */
-  const uint8_t *lut; /* the fold table (mode 1: its entries (k, 0) go to shared memory) */
+  const uint8_t *lut; /* the fold table, copied to shared memory: mode 1's entries (k, 0), mode 3's all */
   int mode;           /* the records' mode: 1 or 3 (RecFmt) */
   const int32_t *offsets;
   int e0, E;          /* this launch's experts [e0, e0 + E) */
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x >= 32) { /* decoder warps */
       const int wj = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
       uint8_t *bufs = sm + G::kOffDec + wj * 8192;
-      /* one task loop per record mode: with both decodes in one loop the
-       * warps spilled at the producer's 72 registers */
+      /* one task loop per record mode (its record size and decode are
+       * compile-time constants in each) */
       auto decode_tasks = [&](auto mode, const uint8_t *lut) {
         constexpr int MODE = decltype(mode)::value;
         int n = 0, dcur = 0;
