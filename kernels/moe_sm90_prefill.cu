@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(384, 1)
       uint8_t *bufs = sm + G::kOffDec + wj * 8192;
       /* one task loop per record mode (its record size and decode are
        * compile-time constants in each) */
-      auto decode_tasks = [&](auto mode, const uint8_t *lut) {
+      auto decode_tasks = [&](auto mode) {
         constexpr int MODE = decltype(mode)::value;
         int n = 0, dcur = 0;
         for (;;) {
@@ -270,13 +270,13 @@ __global__ void __launch_bounds__(384, 1)
           const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
           const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
                                ((size_t)tile * KB + kb0) * RecFmt<MODE>::kRec;
-          decode_record_run<MODE>(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile, lut,
-                                  bufs, n);
+          decode_record_run<MODE>(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile,
+                                  sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
         }
       };
-      if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>(), sm + G::kOffLut);
-      else decode_tasks(std::integral_constant<int, 1>(), sm + G::kOffLut);
+      if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>());
+      else decode_tasks(std::integral_constant<int, 1>());
     } else if (threadIdx.x == 0) { /* copies */
       int stage = 0, e_ready = -1;
       uint32_t phase = 0;

@@ -63,8 +63,8 @@ __device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecS
  * record), 128B-swizzled: 16-byte chunk ^ row % 8 (= g), so that the 8
  * rows of a warp's 4-byte store land in 8 chunks instead of one bank
  * quarter. lut: the fold table in shared memory, mode 1's compact one
- * (256-aligned) or mode 3's whole one (from global memory, L1-cached, the
- * prefill path's mode 3 ran 3-7% slower: docs/PERF.md, version 25). */
+ * (256-aligned) or mode 3's whole one (read from global memory instead,
+ * the prefill path's mode 3 ran 3-7% slower: docs/PERF.md, version 25). */
 template <int MODE>
 __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
                                                    uint8_t *tile, int row_base) {
