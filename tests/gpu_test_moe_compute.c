@@ -748,6 +748,112 @@ static void test_bad_args(void) {
   mm_qmat_free(&ex.w2);
 }
 
+/* NaN inputs on every path: a token with an E4M3 NaN code (0x7F, or 0xFF)
+ * or a NaN token scale must come out NaN in every channel (its gates and
+ * ups are NaN, the activation clamp keeps NaN, its FP8 blocks are NaN), and
+ * every other row bit for bit as in a clean run of the same pool (docs/
+ * RELIABILITY.md). The backend test (gpu_test_ep) covers the WGMMA kernels
+ * through the whole layer; this covers each path of the expert compute,
+ * the prefill path's epilogues included. I = 384: w2 wider than 256
+ * columns anchors (make_expert), so modes 1 and 3 take the prefill path. */
+static void run_nan_case(mm_weight_mode mode, float clamp) {
+  const int H = 256, I = 384, E = 3, KB = H / 128, M = 75;
+  const int offs[4] = {0, 5, 5, M};
+  const int nan_rows[3] = {2, 40, 74}; /* code 0x7F, scale NaN, code 0xFF */
+  mm_expert_q ex[3];
+  memset(ex, 0, sizeof(ex));
+  for (int e = 0; e < E; e++) make_expert(&ex[e], H, I, mode, 0, 0);
+  uint8_t *xq = mm_test_alloc((size_t)M * H), *xq_nan = mm_test_alloc((size_t)M * H);
+  float *xs = mm_test_alloc(sizeof(float) * M * KB), *xs_nan = mm_test_alloc(sizeof(float) * M * KB);
+  float *rw = mm_test_alloc(sizeof(float) * M);
+  {
+    uint16_t *xb = mm_test_alloc(2 * (size_t)M * H);
+    for (size_t i = 0; i < (size_t)M * H; i++) xb[i] = mm_float_to_bf16(mm_test_normal());
+    mm_ref_quant_act(xb, M, H, xq, xs);
+    free(xb);
+  }
+  for (int i = 0; i < M; i++) rw[i] = mm_test_uniform(0.05f, 1.0f);
+  memcpy(xq_nan, xq, (size_t)M * H);
+  memcpy(xs_nan, xs, sizeof(float) * M * KB);
+  xq_nan[(size_t)nan_rows[0] * H + 7] = 0x7F;
+  xs_nan[(size_t)nan_rows[1] * KB + 1] = NAN;
+  xq_nan[(size_t)nan_rows[2] * H + 200] = 0xFF;
+  const size_t ob = 2 * (size_t)M * H;
+  uint16_t *clean = mm_test_alloc(ob), *got = mm_test_alloc(ob), *again = mm_test_alloc(ob);
+  mm_sm90_layer *L = NULL;
+  CHECK_OK(mm_sm90_layer_create(ex, E, mode, NULL, &L));
+  void *d_off = NULL, *d_x = NULL, *d_xs = NULL, *d_rw = NULL, *d_out = NULL, *d_ws = NULL;
+  if (!L) goto done;
+  const size_t wsb = mm_sm90_workspace_bytes(L, M);
+  CUDA_OK(cudaMalloc(&d_off, sizeof(offs)));
+  CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * M * KB));
+  CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
+  CUDA_OK(cudaMalloc(&d_out, ob));
+  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  CUDA_OK(cudaMemcpy(d_off, offs, sizeof(offs), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
+  mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out, 0, NULL};
+  for (int path = MM_SM90_PATH_SIMT; path <= MM_SM90_PATH_PREFILL; path++) {
+    if (g_only_path >= 0 && path != g_only_path) continue;
+    uint16_t *dst[3] = {clean, got, again};
+    int refused = 0;
+    for (int run = 0; run < 3 && !refused; run++) { /* clean, NaN, clean again */
+      CUDA_OK(cudaMemcpy(d_x, run == 1 ? xq_nan : xq, (size_t)M * H, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_xs, run == 1 ? xs_nan : xs, sizeof(float) * M * KB, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemset(d_out, 0xFF, ob));
+      CUDA_OK(cudaMemset(d_ws, 0xFF, wsb));
+      mm_err *err = mm_sm90_expert_compute_path(L, &pool, clamp, d_ws, wsb, NULL, (mm_sm90_path)path);
+      if (err && err->code == MEGAMOE_CODE_UNIMPLEMENTED) { /* the prefill path in modes 2, 4 */
+        CHECK_MSG(path == MM_SM90_PATH_PREFILL &&
+                      (mode == MM_WMODE_G16_BF16_EXACT || mode == MM_WMODE_G32_F16_EXACT),
+                  "mode %d %s refused: %s", (int)mode, path_name(path), err->message);
+        megamoe_error_destroy(err);
+        refused = 1;
+        break;
+      }
+      fetch_out(err, d_out, dst[run], ob);
+    }
+    if (refused) continue;
+    size_t not_nan = 0, diff = 0, diff_again = 0;
+    for (int r = 0; r < M; r++) {
+      const int poisoned = r == nan_rows[0] || r == nan_rows[1] || r == nan_rows[2];
+      for (int c = 0; c < H; c++) {
+        const size_t o = (size_t)r * H + c;
+        if (poisoned) not_nan += (got[o] & 0x7FFF) <= 0x7F80;
+        else diff += got[o] != clean[o];
+        diff_again += again[o] != clean[o];
+      }
+    }
+    printf("# mode %d %s clamp %g, NaN in 3 rows: %zu of their values not NaN, %zu other values "
+           "differ from the clean run, %zu differ in a clean run after it\n",
+           (int)mode, path_name(path), (double)clamp, not_nan, diff, diff_again);
+    CHECK_EQ_INT(not_nan, 0);
+    CHECK_EQ_INT(diff, 0);
+    CHECK_EQ_INT(diff_again, 0);
+  }
+done:
+  cudaFree(d_off);
+  cudaFree(d_x);
+  cudaFree(d_xs);
+  cudaFree(d_rw);
+  cudaFree(d_out);
+  cudaFree(d_ws);
+  mm_sm90_layer_destroy(L);
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&ex[e].w13);
+    mm_qmat_free(&ex[e].w2);
+  }
+  free(xq), free(xq_nan), free(xs), free(xs_nan), free(rw), free(clean), free(got), free(again);
+}
+
+static void test_nan_inputs(void) {
+  for (int m = MM_WMODE_G32_FP8; m <= MM_WMODE_G32_F16_EXACT; m++) {
+    run_nan_case((mm_weight_mode)m, 0.0f);
+    run_nan_case((mm_weight_mode)m, 2.7f);
+  }
+}
+
 /* NaN / Inf values of got, and values that differ from ref (BF16 bits). */
 static void count_diff(const uint16_t *got, const uint16_t *ref, size_t n, size_t *nan,
                        size_t *diff) {
@@ -879,5 +985,6 @@ int main(void) {
   RUN(test_mode4_extreme_exponents);
   RUN(test_exact_sums);
   RUN(test_prefill_workspace);
+  RUN(test_nan_inputs);
   return mm_test_done();
 }
