@@ -29,7 +29,7 @@
  * permutation), as the expert-parallel path has them write straight into the
  * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
  * --path: auto (the default) runs what the product picks per call (the FP8
- * modes' prefill path from MM_SM90_PREFILL_MIN_ROWS rows per expert, else the
+ * modes' prefill path from mm_sm90_prefill_min_rows rows per expert, else the
  * WGMMA kernels); wgmma, prefill and simt force one;
  * --prefill-experts: experts per launch pair of the prefill path
  * (compute.prefill-experts, 1-32; default 16);

@@ -82,7 +82,7 @@ typedef struct mm_expert_pool {
  * mm_sm90_prefill_planned). Allocated once at plan time. */
 size_t mm_sm90_workspace_bytes(const mm_sm90_layer *layer, int num_rows_max);
 /* The least a compute call accepts: without the prefill path's weight
- * region (modes 1 and 3 from MM_SM90_PREFILL_MIN_ROWS rows per expert;
+ * region (modes 1 and 3 from mm_sm90_prefill_min_rows rows per expert;
  * layout_sm90.h), which a call given less than mm_sm90_workspace_bytes
  * then does without. */
 size_t mm_sm90_workspace_bytes_min(const mm_sm90_layer *layer, int num_rows_max);

@@ -254,11 +254,12 @@ extern "C" void mm_sm90_layer_set_prefill(mm_sm90_layer *L, int allow, int exper
 
 /* The prefill path's rule, for the workspace plan and for AUTO:
  * MEGAMOE_SM90_PREFILL=1 whenever the layer allows it, 0 never (docs/
- * CONFIG.md), else from MM_SM90_PREFILL_MIN_ROWS rows per expert. */
+ * CONFIG.md), else from the mode's mm_sm90_prefill_min_rows rows per
+ * expert. */
 static int prefill_rule(const mm_sm90_layer *L, int rows) {
   const char *v = getenv("MEGAMOE_SM90_PREFILL");
   if (v && (v[0] == '0' || v[0] == '1')) return v[0] == '1';
-  return rows >= MM_SM90_PREFILL_MIN_ROWS * L->E;
+  return (int64_t)rows >= (int64_t)mm_sm90_prefill_min_rows(L->mode) * L->E;
 }
 
 int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max) {

@@ -82,7 +82,7 @@ const float *mm_sm90_silu_table(void);
 /* Prefill path (moe_sm90_prefill.cu): NULL if it supports L, else why not. */
 const char *mm_sm90_prefill_unsupported(const mm_sm90_layer *L);
 /* Whether a workspace for num_rows_max rows holds the prefill path's
- * region: L supported, and num_rows_max at least MM_SM90_PREFILL_MIN_ROWS
+ * region: L supported, and num_rows_max at least mm_sm90_prefill_min_rows
  * per expert or MEGAMOE_SM90_PREFILL=1 (docs/CONFIG.md). */
 int mm_sm90_prefill_planned(const mm_sm90_layer *L, int num_rows_max);
 mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp,

@@ -226,10 +226,17 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
 }
 
 /* The FP8 modes' prefill path (kernels/moe_sm90_prefill.cu): the average
- * rows per expert from which it runs (AUTO) and from which a plan holds its
- * workspace region (mode 1's crossover, docs/PERF.md, version 21; mode 3
- * uses the same), and the most experts per launch pair. */
-#define MM_SM90_PREFILL_MIN_ROWS 768
+ * rows per local expert from which it runs (AUTO) and from which a plan
+ * holds its workspace region, each mode's crossover with the WGMMA kernels
+ * (sustained, GLM-5 at EP8, uniform and random loads; docs/PERF.md,
+ * version 26): mode 3's WGMMA kernels are the slower ones, so its prefill
+ * path pays from fewer rows. */
+#define MM_SM90_PREFILL_MIN_ROWS_G32 768
+#define MM_SM90_PREFILL_MIN_ROWS_G16 512
+MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
+  return mode == MM_WMODE_G16_FP8 ? MM_SM90_PREFILL_MIN_ROWS_G16 : MM_SM90_PREFILL_MIN_ROWS_G32;
+}
+/* the most experts per launch pair */
 #define MM_SM90_PREFILL_CHUNK 32
 /* compute.prefill-experts' default: half the region of 32 (403 MB for
  * GLM-5), 0.7-2% slower sustained on the H200, and a plan at EP8 with 4096

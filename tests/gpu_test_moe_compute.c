@@ -950,6 +950,39 @@ done:
   mm_qmat_free(&ex.w2);
 }
 
+/* The prefill path's threshold per mode (mm_sm90_prefill_min_rows): a
+ * workspace plan holds the path's region from that many rows per local
+ * expert on, not below, when MEGAMOE_SM90_PREFILL does not force it. */
+static void test_prefill_threshold(void) {
+  const char *forced = getenv("MEGAMOE_SM90_PREFILL");
+  char *saved = forced ? strdup(forced) : NULL;
+  unsetenv("MEGAMOE_SM90_PREFILL");
+  const mm_weight_mode modes[2] = {MM_WMODE_G32_FP8, MM_WMODE_G16_FP8};
+  for (int i = 0; i < 2; i++) {
+    mm_expert_q ex[3];
+    memset(ex, 0, sizeof(ex));
+    for (int e = 0; e < 3; e++) make_expert(&ex[e], 256, 384, modes[i], 0, 0); /* anchored */
+    mm_sm90_layer *L = NULL;
+    CHECK_OK(mm_sm90_layer_create(ex, 3, modes[i], NULL, &L));
+    if (L) {
+      const int at = 3 * mm_sm90_prefill_min_rows(modes[i]);
+      const int below = mm_sm90_workspace_bytes(L, at - 1) > mm_sm90_workspace_bytes_min(L, at - 1);
+      const int from = mm_sm90_workspace_bytes(L, at) > mm_sm90_workspace_bytes_min(L, at);
+      printf("# mode %d: prefill region planned at %d rows (3 experts): %s, at %d: %s\n",
+             (int)modes[i], at - 1, below ? "yes" : "no", at, from ? "yes" : "no");
+      CHECK(!below && from);
+    }
+    mm_sm90_layer_destroy(L);
+    for (int e = 0; e < 3; e++) {
+      mm_qmat_free(&ex[e].w13);
+      mm_qmat_free(&ex[e].w2);
+    }
+  }
+  CHECK(mm_sm90_prefill_min_rows(MM_WMODE_G16_FP8) < mm_sm90_prefill_min_rows(MM_WMODE_G32_FP8));
+  if (saved) setenv("MEGAMOE_SM90_PREFILL", saved, 1);
+  free(saved);
+}
+
 int main(void) {
   if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
@@ -986,5 +1019,6 @@ int main(void) {
   RUN(test_exact_sums);
   RUN(test_prefill_workspace);
   RUN(test_nan_inputs);
+  RUN(test_prefill_threshold);
   return mm_test_done();
 }

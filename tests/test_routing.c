@@ -331,7 +331,7 @@ static void test_sizing(void) {
    * 1536 rows per local expert), at compute.prefill-experts' default */
   {
     const int E = a.num_experts / a.ranks;
-    CHECK(s.pool_rows >= (int64_t)MM_SM90_PREFILL_MIN_ROWS * E);
+    CHECK(s.pool_rows >= (int64_t)mm_sm90_prefill_min_rows(MM_WMODE_G32_FP8) * E);
     a.workspace_bytes = sm90_ws(MM_WMODE_G32_FP8, a.hidden, a.intermediate, s.pool_rows) +
                         (int64_t)mm_sm90_prefill_region_bytes(E, a.hidden, a.intermediate,
                                                               MM_SM90_PREFILL_EXPERTS_DEFAULT);
@@ -379,7 +379,9 @@ static void print_table(void) {
         mm_ep_sizes s;
         mm_err *e = mm_ep_size(&a, &s); /* pool rows do not depend on the workspace */
         const int E = a.num_experts / a.ranks;
-        if (!e && chunks[m2] && s.pool_rows < (int64_t)MM_SM90_PREFILL_MIN_ROWS * E) continue;
+        if (!e && chunks[m2] &&
+            s.pool_rows < (int64_t)mm_sm90_prefill_min_rows(MM_WMODE_G32_FP8) * E)
+          continue;
         if (!e) {
           a.workspace_bytes = sm90_ws(m2 == 1 ? MM_WMODE_G16_BF16_EXACT : MM_WMODE_G32_FP8, a.hidden,
                                       a.intermediate, s.pool_rows);
