@@ -228,11 +228,12 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
 /* The FP8 modes' prefill path (kernels/moe_sm90_prefill.cu): the average
  * rows per local expert from which it runs (AUTO) and from which a plan
  * holds its workspace region, each mode's crossover with the WGMMA kernels
- * (sustained, GLM-5 at EP8, uniform and random loads; docs/PERF.md,
- * version 26): mode 3's WGMMA kernels are the slower ones, so its prefill
- * path pays from fewer rows. */
-#define MM_SM90_PREFILL_MIN_ROWS_G32 768
-#define MM_SM90_PREFILL_MIN_ROWS_G16 512
+ * (H200, sustained, GLM-5 at EP8, uniform and random loads; docs/PERF.md,
+ * version 26). Mode 1: 2-4% slower than the WGMMA kernels at 768, 4-8%
+ * faster at 896. Mode 3, whose WGMMA kernels are the slower ones: 7-19%
+ * slower at 384, 1-3% faster at 448 and 1-5% at 512. */
+#define MM_SM90_PREFILL_MIN_ROWS_G32 800
+#define MM_SM90_PREFILL_MIN_ROWS_G16 448
 MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
   return mode == MM_WMODE_G16_FP8 ? MM_SM90_PREFILL_MIN_ROWS_G16 : MM_SM90_PREFILL_MIN_ROWS_G32;
 }

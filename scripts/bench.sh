@@ -31,10 +31,23 @@ if [ -x "$b" ]; then
     # shellcheck disable=SC2086
     "$b" $args ${BENCH_ARGS:-}
   done
-  # Mode 1's prefill path (the default from 768 rows per expert) against the
-  # WGMMA kernels at the same shapes (docs/PERF.md, version 21)
+  # Mode 1's prefill path (the default from mm_sm90_prefill_min_rows rows per
+  # expert) against the WGMMA kernels at the same shapes (docs/PERF.md,
+  # version 21)
   echo "## bench_moe_compute --gran-k 32 --path wgmma --M 24576,32768,65536 --loads uniform"
   "$b" --gran-k 32 --path wgmma --M 24576,32768,65536 --loads uniform
+  # Each FP8 mode's two paths around its prefill threshold, sustained, ours
+  # only (the thresholds' measurement: docs/PERF.md, version 26).
+  # MEGAMOE_SM90_PREFILL=1: the workspace holds the prefill region below the
+  # threshold too.
+  for gm in "32 24576,28672,32768" "16 12288,14336,16384"; do
+    set -- $gm
+    for p in prefill wgmma; do
+      echo "## bench_moe_compute --gran-k $1 --path $p --profile-only --warmup-ms 1000 --M $2 --loads uniform,random"
+      MEGAMOE_SM90_PREFILL=1 "$b" --gran-k "$1" --path $p --profile-only --iters 20 --warmup-ms 1000 \
+        --M "$2" --loads uniform,random
+    done
+  done
   # Prefill in the sustained state: each measurement (ceilings included) runs
   # 1.5 s first, so that ours and cuBLASLt both run at the power cap
   # (docs/PERF.md, version 17). BENCH_SUSTAINED=0 skips it.
