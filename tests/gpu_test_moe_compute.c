@@ -262,12 +262,13 @@ static int code_explained(const dense_expert *e, const l1_dots *d, size_t o, int
 }
 
 /* Intermediate check: every FP8 code equals the reference's or is explained
- * by a rounding near-tie (code_explained); every block scale within
- * scale_rel of the reference's or explained by a near-tie of its block's
- * largest value. */
+ * by a rounding near-tie (code_explained); at most diff_frac of them differ
+ * (the QGMMA paths' codes a step away); every block scale within scale_rel
+ * of the reference's or explained by a near-tie of its block's largest
+ * value. */
 static void check_intermediate(const dense_expert *ex, const int *offs, int E, const l1_dots *d,
                                const float *rw, float clamp, double tau, double abs_slack,
-                               const uint8_t *gq,
+                               double diff_frac, const uint8_t *gq,
                                const float *gs, const uint8_t *rq, const float *rs, int I,
                                const char *what, double scale_rel) {
   size_t diff = 0, unexplained = 0, n = (size_t)offs[E] * I;
@@ -324,7 +325,7 @@ static void check_intermediate(const dense_expert *ex, const int *offs, int E, c
          "only\n",
          what, diff, n, unexplained, tau, smax, sbox);
   CHECK_EQ_INT(unexplained, 0);
-  CHECK(diff <= n / 50 + 2); /* approximate mode 1: measured 0.5% */
+  CHECK(diff <= (size_t)(diff_frac * (double)n) + 2);
   CHECK_EQ_INT(sbad, 0);
 }
 
@@ -556,6 +557,11 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * step or 2^-8 of the block's range, at most 2% of the codes; L2 5e-3.
        * Exact-sum data still pins its decode bit for bit. */
       const double abs_slack = qg && !s->exact ? 0x1p-8 : 0.0;
+      /* Of the codes, mode 1 measured up to 0.76% a step away (bound 2%);
+       * mode 3, whose folded weights carry three mantissa bits (mode 1's
+       * one), so that more of the QGMMA's sums lose low bits, 0.7-1.8%
+       * (H 1280 the most: 1.6-1.8% in four runs; bound 4%). */
+      const double diff_frac = mode == MM_WMODE_G16_FP8 ? 0.04 : 0.02;
       /* L2's input is the GPU's intermediate, not exact-sum data, so the
        * QGMMA bound holds there for exact-sum cases too (measured 1.016e-3
        * on one with 32-wide tiles forced). */
@@ -592,8 +598,8 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       CHECK_MSG(touched == 0, "%zu values outside the pool rows were written", touched);
       if (Mused > 0) {
         CHECK_OK(mm_sm90_debug_intermediate(L, M, d_ws, Mused, gq, gsc));
-        check_intermediate(dx, offs, E, &dots, rw, s->clamp, tau, abs_slack, gq, gsc, rq, rsc, I,
-                           path_name(path), qg && !s->exact ? 2e-2 : 1e-6);
+        check_intermediate(dx, offs, E, &dots, rw, s->clamp, tau, abs_slack, diff_frac, gq, gsc,
+                           rq, rsc, I, path_name(path), qg && !s->exact ? 2e-2 : 1e-6);
         for (int e = 0; e < E; e++)
           ref_l2(&dx[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
                  ref2 + (size_t)offs[e] * H);
