@@ -407,6 +407,33 @@ static void check_out_rows(const mm_sm90_layer *L, const mm_expert_pool *pool, f
   free(got2);
 }
 
+/* A pool's device buffers: expert offsets (E + 1), tokens [M][H] and their
+ * scales [M][H / 128], top-k weights [M], the BF16 output [M][H], and the
+ * workspace (ws_bytes). */
+typedef struct {
+  void *off, *x, *xs, *rw, *out, *ws;
+} dev_pool;
+
+static void dev_pool_alloc(dev_pool *d, int E, int M, int H, size_t ws_bytes) {
+  memset(d, 0, sizeof(*d));
+  CUDA_OK(cudaMalloc(&d->off, sizeof(int) * (size_t)(E + 1)));
+  CUDA_OK(cudaMalloc(&d->x, (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d->xs, sizeof(float) * (size_t)M * (H / 128)));
+  CUDA_OK(cudaMalloc(&d->rw, sizeof(float) * (size_t)M));
+  CUDA_OK(cudaMalloc(&d->out, 2 * (size_t)M * H));
+  CUDA_OK(cudaMalloc(&d->ws, ws_bytes));
+}
+
+static void dev_pool_free(dev_pool *d) {
+  cudaFree(d->off);
+  cudaFree(d->x);
+  cudaFree(d->xs);
+  cudaFree(d->rw);
+  cudaFree(d->out);
+  cudaFree(d->ws);
+  memset(d, 0, sizeof(*d));
+}
+
 static void run_case(mm_weight_mode mode, const shape *s) {
   const int H = s->H, I = s->I, E = s->E;
   int counts[64], offs[65];
@@ -482,14 +509,11 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   CHECK_OK(err);
   if (!L) goto done;
   {
-    void *d_off, *d_x, *d_xs, *d_rw, *d_out, *d_ws;
-    size_t wsb = mm_sm90_workspace_bytes(L, M);
-    CUDA_OK(cudaMalloc(&d_off, sizeof(int) * (E + 1)));
-    CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
-    CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * (size_t)M * KB));
-    CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
-    CUDA_OK(cudaMalloc(&d_out, 2 * (size_t)M * H));
-    CUDA_OK(cudaMalloc(&d_ws, wsb));
+    const size_t wsb = mm_sm90_workspace_bytes(L, M);
+    dev_pool dp;
+    dev_pool_alloc(&dp, E, M, H, wsb);
+    void *const d_off = dp.off, *const d_x = dp.x, *const d_xs = dp.xs, *const d_rw = dp.rw,
+               *const d_out = dp.out, *const d_ws = dp.ws;
     CUDA_OK(cudaMemcpy(d_off, offs, sizeof(int) * (E + 1), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_x, xq, (size_t)M * H, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_xs, xs, sizeof(float) * (size_t)M * KB, cudaMemcpyHostToDevice));
@@ -613,12 +637,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
                      mode == MM_WMODE_G16_BF16_EXACT || mode == MM_WMODE_G32_F16_EXACT);
     }
     if (mode == MM_WMODE_G16_FP8) printf("# mode 3 weight fold error %.4f\n", mm_sm90_layer_fold_error(L));
-    cudaFree(d_off);
-    cudaFree(d_x);
-    cudaFree(d_xs);
-    cudaFree(d_rw);
-    cudaFree(d_out);
-    cudaFree(d_ws);
+    dev_pool_free(&dp);
   }
 done:
   mm_sm90_layer_destroy(L);
@@ -788,15 +807,12 @@ static void run_nan_case(mm_weight_mode mode, float clamp) {
   uint16_t *clean = mm_test_alloc(ob), *got = mm_test_alloc(ob), *again = mm_test_alloc(ob);
   mm_sm90_layer *L = NULL;
   CHECK_OK(mm_sm90_layer_create(ex, E, mode, NULL, &L));
-  void *d_off = NULL, *d_x = NULL, *d_xs = NULL, *d_rw = NULL, *d_out = NULL, *d_ws = NULL;
+  dev_pool dp = {0};
   if (!L) goto done;
   const size_t wsb = mm_sm90_workspace_bytes(L, M);
-  CUDA_OK(cudaMalloc(&d_off, sizeof(offs)));
-  CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
-  CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * M * KB));
-  CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
-  CUDA_OK(cudaMalloc(&d_out, ob));
-  CUDA_OK(cudaMalloc(&d_ws, wsb));
+  dev_pool_alloc(&dp, E, M, H, wsb);
+  void *const d_off = dp.off, *const d_x = dp.x, *const d_xs = dp.xs, *const d_rw = dp.rw,
+             *const d_out = dp.out, *const d_ws = dp.ws;
   CUDA_OK(cudaMemcpy(d_off, offs, sizeof(offs), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_rw, rw, sizeof(float) * M, cudaMemcpyHostToDevice));
   mm_expert_pool pool = {M, d_off, d_x, d_xs, d_rw, d_out, 0, NULL};
@@ -839,12 +855,7 @@ static void run_nan_case(mm_weight_mode mode, float clamp) {
     CHECK_EQ_INT(diff_again, 0);
   }
 done:
-  cudaFree(d_off);
-  cudaFree(d_x);
-  cudaFree(d_xs);
-  cudaFree(d_rw);
-  cudaFree(d_out);
-  cudaFree(d_ws);
+  dev_pool_free(&dp);
   mm_sm90_layer_destroy(L);
   for (int e = 0; e < E; e++) {
     mm_qmat_free(&ex[e].w13);
@@ -885,18 +896,15 @@ static void test_prefill_workspace(void) {
   const int M = 70, H = 256, I = 128;
   const int offs[4] = {0, 20, 20, M}; /* expert 1 empty */
   const size_t out_bytes = 2 * (size_t)M * H;
-  void *d_off = NULL, *d_x = NULL, *d_xs = NULL, *d_rw = NULL, *d_out = NULL, *d_ws = NULL;
+  dev_pool dp = {0};
   uint16_t *got = malloc(out_bytes), *ref = malloc(out_bytes);
   if (!L) goto done;
   const size_t full = mm_sm90_workspace_bytes(L, M), least = mm_sm90_workspace_bytes_min(L, M);
   printf("# workspace for %d rows: %zu bytes, %zu without the prefill region\n", M, full, least);
   CHECK(full >= least + 3 * (size_t)2 * I * H);
-  CUDA_OK(cudaMalloc(&d_off, sizeof(offs)));
-  CUDA_OK(cudaMalloc(&d_x, (size_t)M * H));
-  CUDA_OK(cudaMalloc(&d_xs, sizeof(float) * (size_t)M * (H / 128)));
-  CUDA_OK(cudaMalloc(&d_rw, sizeof(float) * M));
-  CUDA_OK(cudaMalloc(&d_out, out_bytes));
-  CUDA_OK(cudaMalloc(&d_ws, full));
+  dev_pool_alloc(&dp, 3, M, H, full);
+  void *const d_off = dp.off, *const d_x = dp.x, *const d_xs = dp.xs, *const d_rw = dp.rw,
+             *const d_out = dp.out, *const d_ws = dp.ws;
   CUDA_OK(cudaMemcpy(d_off, offs, sizeof(offs), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(d_x, 0x38, (size_t)M * H)); /* 1.0 */
   {
@@ -945,12 +953,7 @@ static void test_prefill_workspace(void) {
 done:
   free(got);
   free(ref);
-  cudaFree(d_off);
-  cudaFree(d_x);
-  cudaFree(d_xs);
-  cudaFree(d_rw);
-  cudaFree(d_out);
-  cudaFree(d_ws);
+  dev_pool_free(&dp);
   mm_sm90_layer_destroy(L);
   mm_qmat_free(&ex.w13);
   mm_qmat_free(&ex.w2);
