@@ -180,8 +180,8 @@ template <int MODE, int BN>
 struct Cfg {
   static constexpr bool kF16 = MODE == 2 || MODE == 4; /* HGMMA, F16 activations */
   static constexpr bool kG32 = MODE == 1 || MODE == 4; /* mode 1's records */
-  static constexpr int kRec = kG32 ? 4480 : MODE == 2 ? 4608 : 4736;
   static constexpr int kG = kG32 ? 4 : 8;
+  static constexpr int kRec = MM_SM90_RECORD_BYTES(kG, MODE != 2);
   static constexpr int kRefOff = 4096 + 64 * kG;
   /* records per stage: the unit's 4 m64 tiles, or with 128-wide token
    * tiles the 2 of one half of the unit (Kern::kHalves) */

@@ -169,7 +169,7 @@ __device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw,
   int n = 0;
   for (int t = 3 * blockIdx.x + wj; t < p.E * per_expert; t += 3 * gridDim.x) {
     const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
-    decode_record_run<1>(p.records + ((size_t)tile * KB + kb0) * 4480, kb0, kb1, tw, 64 * tile, lut,
+    decode_record_run<1>(p.records + ((size_t)tile * KB + kb0) * RecFmt<1>::kRec, kb0, kb1, tw, 64 * tile, lut,
                       dec + wj * 8192, n);
     if (d % 32 == 0) atomicAdd(&p.ready[t / per_expert], 1);
   }
@@ -386,7 +386,7 @@ __global__ void records_reference_kernel(const uint8_t *records, const uint8_t *
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / K;
     const int k = (int)(i % K), lr = (int)(r % 64), kk = k % 128;
-    const uint8_t *rec = records + ((r / 64) * KB + k / 128) * 4480;
+    const uint8_t *rec = records + ((r / 64) * KB + k / 128) * RecFmt<1>::kRec;
     const int s = kk / 32, h = (kk % 32) / 16, b = kk % 4, q = (kk % 16) / 4, rr = (lr / 8) % 2;
     const int T = 32 * (lr / 16) + 4 * (lr % 8) + q, u = 2 * s + rr;
     const uint32_t word = *(const uint32_t *)(rec + (u / 4) * 2048 + 16 * T + 4 * (u % 4));
@@ -415,7 +415,7 @@ __global__ void fill_e4m3_kernel(uint8_t *p, size_t n, uint32_t seed) {
 __global__ void fill_records_kernel(uint8_t *p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x) {
-    const uint32_t h = hash32(i, seed), o = (uint32_t)(i % 4480);
+    const uint32_t h = hash32(i, seed), o = (uint32_t)(i % RecFmt<1>::kRec);
     p[i] = o < 4096 ? (uint8_t)h : o < 4352 ? (uint8_t)(8 * (16 - 6 + (int)(h % 9))) : 0;
   }
 }
@@ -490,7 +490,7 @@ extern "C" mm_err *mm_probe_fill_e4m3(uint8_t *p, size_t n, uint32_t seed, void 
 }
 
 extern "C" mm_err *mm_probe_fill_records(uint8_t *p, size_t n, uint32_t seed, void *stream) {
-  MM_ARG_CHECK(n % 4480 == 0, "probe: whole records");
+  MM_ARG_CHECK(n % RecFmt<1>::kRec == 0, "probe: whole records");
   fill_records_kernel<<<1024, 256, 0, (cudaStream_t)stream>>>(p, n, seed);
   MM_CUDA_TRY(cudaGetLastError());
   return NULL;

@@ -15,8 +15,8 @@ namespace {
 template <int MODE>
 struct RecFmt {
   static_assert(MODE == 1 || MODE == 3, "the FP8 modes' records");
-  static constexpr int kRec = MODE == 1 ? 4480 : 4736;
   static constexpr int kScaleBytes = MODE == 1 ? 4 : 8; /* per row */
+  static constexpr int kRec = MM_SM90_RECORD_BYTES(kScaleBytes, true);
 };
 
 /* 8 weights of one code word through the fold-table entries (lx, ly) of

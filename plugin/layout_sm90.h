@@ -60,10 +60,12 @@ MM_SM90_HD int mm_sm90_groups_per_row(mm_weight_mode mode) {
   return mm_sm90_record_mode(mode) == MM_WMODE_G32_FP8 ? 4 : 8;
 }
 MM_SM90_HD int mm_sm90_has_ref(mm_weight_mode mode) { return mode != MM_WMODE_G16_BF16_EXACT; }
-/* codes + scales [64][groups] + (FP8 modes) int16 reference exponents [64]. */
+/* codes + scales [64][groups] + (FP8 modes) int16 reference exponents [64];
+ * as a constant expression for the kernels' compile-time strides. */
+#define MM_SM90_RECORD_BYTES(groups, has_ref) \
+  (MM_SM90_CODE_BYTES + 64 * (groups) + ((has_ref) ? 128 : 0))
 MM_SM90_HD size_t mm_sm90_record_bytes(mm_weight_mode mode) {
-  return MM_SM90_CODE_BYTES + 64u * (size_t)mm_sm90_groups_per_row(mode) +
-         (mm_sm90_has_ref(mode) ? 128u : 0u);
+  return (size_t)MM_SM90_RECORD_BYTES(mm_sm90_groups_per_row(mode), mm_sm90_has_ref(mode));
 }
 MM_SM90_HD size_t mm_sm90_scale_offset(void) { return MM_SM90_CODE_BYTES; }
 MM_SM90_HD size_t mm_sm90_ref_offset(mm_weight_mode mode) {
