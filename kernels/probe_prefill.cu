@@ -169,8 +169,8 @@ __device__ void decode_records(const mm_probe_problem &p, const CUtensorMap *tw,
   int n = 0;
   for (int t = 3 * blockIdx.x + wj; t < p.E * per_expert; t += 3 * gridDim.x) {
     const int tile = t / groups, kb0 = 16 * (t % groups), kb1 = min(KB, kb0 + 16);
-    decode_record_run<1>(p.records + ((size_t)tile * KB + kb0) * RecFmt<1>::kRec, kb0, kb1, tw, 64 * tile, lut,
-                      dec + wj * 8192, n);
+    decode_record_run<1>(p.records + ((size_t)tile * KB + kb0) * RecFmt<1>::kRec, kb0, kb1, tw,
+                         64 * tile, lut, dec + wj * 8192, n);
     if (d % 32 == 0) atomicAdd(&p.ready[t / per_expert], 1);
   }
 }
