@@ -82,8 +82,7 @@ static int g32_row_anchor(const mm_qmat *m, const uint8_t lut[][8], int r, int *
   }
   for (int gi = 0; gi < m->cols / 32; gi++)
     if (group_nonzero(m, r, gi) && !g32_group_exact(m, lut, r, gi, sc[gi] - 127 - best)) return 0;
-  const float rs = m->row_scale[r], f = ldexpf(rs, best);
-  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  if (!mm_sm90_anchor_fits(m->row_scale[r], best)) return 0;
   *R = best;
   return 1;
 }
@@ -164,8 +163,7 @@ static int g16_row_anchor(const mm_qmat *m, const uint8_t lut[][8], int r, int *
       }
     }
   }
-  const float rs = m->row_scale[r], f = ldexpf(rs, best);
-  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  if (!mm_sm90_anchor_fits(m->row_scale[r], best)) return 0;
   *R = best;
   return 1;
 }
@@ -371,6 +369,11 @@ done:
   free(err2);
   free(ref2);
   return err;
+}
+
+int mm_sm90_anchor_fits(float row_scale, int R) {
+  const float f = ldexpf(row_scale, R);
+  return isfinite(f) && ldexpf(f, -R) == row_scale;
 }
 
 float mm_sm90_weight(const uint8_t *blob, mm_weight_mode mode, int rows, int cols, int r, int k) {

@@ -333,6 +333,10 @@ mm_err *mm_sm90_check_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up)
 mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, uint8_t *dst,
                             float *row_scale, double fold_err[2]);
 
+/* Whether a row factor can carry a row anchor 2^R: row_scale * 2^R finite
+ * and exact in FP32 (both packers' row anchors, modes 1 and 3). */
+int mm_sm90_anchor_fits(float row_scale, int R);
+
 /* The weight the kernels use at layout row r, column k, without the row
  * factor: mode 1/3 E4M3 fold byte * 2^ref, mode 2 e2m1 * E4M3 scale. */
 float mm_sm90_weight(const uint8_t *blob, mm_weight_mode mode, int rows, int cols, int r, int k);

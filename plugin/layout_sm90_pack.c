@@ -157,8 +157,7 @@ static int g32_row_anchor(const pack_tables *T, const mm_qmat *m, int src, const
   if (!ok) return 0;
   for (int gi = 0; gi < 4 * KB; gi++)
     if (nz[gi] && !g32_exact(T, nz[gi], s[gi] - 127 - best)) return 0;
-  const float rs = m->row_scale[src], f = ldexpf(rs, best);
-  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  if (!mm_sm90_anchor_fits(m->row_scale[src], best)) return 0;
   *R = best;
   return 1;
 }
@@ -265,8 +264,7 @@ static int g16_row_anchor(const pack_tables *T, const mm_qmat *m, int src, int *
           return 0;
     }
   }
-  const float rs = m->row_scale[src], f = ldexpf(rs, best);
-  if (!isfinite(f) || ldexpf(f, -best) != rs) return 0;
+  if (!mm_sm90_anchor_fits(m->row_scale[src], best)) return 0;
   *R = best;
   return 1;
 }
