@@ -28,11 +28,16 @@
  * One producer warpgroup (thread 0: copies; warps 1-3: decode) and two
  * consumer warpgroups, each with two accumulators, so that a K
  * block's MMAs run while the previous block's sums are promoted.
- * - L1: 64 x 256 tiles: 64 tokens and 256 layout rows of w13, the gates and
- *   ups of 128 channels (docs/LAYOUTS.md, "Row order"), 128 columns per
- *   warpgroup. The epilogue (SwiGLU, top-k weight, FP8 per 128 channels,
- *   ref_moe.h's order) writes the intermediate and its scales.
- * - L2: 128 x 128 tiles, 64 tokens per warpgroup; BF16 out through the row
+ * Both GEMMs run 128 x 128 tiles, 64 tokens per warpgroup:
+ * - L1: units of 128 tokens and 256 layout rows of w13, the gates and ups
+ *   of 128 channels (docs/LAYOUTS.md, "Row order"), in two passes of 128
+ *   rows. A row's 128 channels are then its warpgroup's alone: the first
+ *   pass's SwiGLU values wait in shared memory until the second pass's
+ *   epilogue (top-k weight, FP8 per 128 channels, ref_moe.h's order)
+ *   writes the intermediate and its scales. (64 x 256 tiles, the
+ *   warpgroups splitting the columns, filled a fourth more shared memory
+ *   per FLOP and ran 1-4% slower: docs/PERF.md, version 27.)
+ * - L2: units of 128 tokens and 128 rows of w2; BF16 out through the row
  *   map.
  * mm_sm90_prefill_chunk experts (compute.prefill-experts, at most kChunk)
  * per launch pair, whose weights the workspace holds; L2 reuses L1's. */
@@ -96,16 +101,19 @@ struct PfParams {
 
 template <int GEMM>
 struct PfCfg {
-  static constexpr bool kSplitN = GEMM == 1;
-  static constexpr int BM = kSplitN ? 64 : 128, BN = kSplitN ? 256 : 128;
-  static constexpr int kA = BM * 128, kB = BN * 128;
+  static constexpr int kPasses = GEMM == 1 ? 2 : 1;
+  /* BN: a unit's column tile; BNP: a pass's (a stage's weight rows) */
+  static constexpr int BM = 128, BN = 128 * kPasses, BNP = 128;
+  static constexpr int kA = BM * 128, kB = BNP * 128;
   static constexpr int kStage = kA + kB; /* a stage's tiles, 1024-aligned */
   static constexpr int kScaleBox = BM + 4; /* token scales from row0 & ~3 */
   /* the token scales' ring beside the tiles' (a tensor copy's destination:
    * 128-byte aligned). As a third part of each 1024-aligned stage they took
    * 1024 bytes a stage, which left no room for mode 3's fold table. */
   static constexpr int kSlot = (4 * kScaleBox + 127) / 128 * 128;
-  static constexpr int kStg = 2 * 16384;  /* per consumer: 64 rows x 128 BF16 columns */
+  /* per consumer: L1's first-pass values (32 per thread, FP32), then its
+   * FP8 codes (64 rows x 128 channels); L2's 64 rows x 128 BF16 columns */
+  static constexpr int kStg = 2 * 16384;
   static constexpr int kDec = 3 * 8192;   /* per decoder warp: two 32 x 128 tiles */
   /* the fold table: mode 1's compact one (its 26 entries (k, 0), 256
    * bytes), or mode 3's whole one (208 entries, 1664 bytes) */
@@ -117,8 +125,7 @@ struct PfCfg {
   static constexpr int kOffDec = kOffStg + kStg;   /* 1024-aligned: swizzled tiles */
   static constexpr int kOffLut = kOffDec + kDec;   /* fold table, 256-aligned */
   static constexpr int kOffFac = kOffLut + kLut;   /* row factors [2 wg][2 parity][128] */
-  static constexpr int kOffRed = kOffFac + 2048;   /* L1 amax [2 parity][2 wg][64]; L2
-                                                      out rows [2 wg][2 parity][64] */
+  static constexpr int kOffRed = kOffFac + 2048;   /* L2's out rows [2 wg][2 parity][64] */
   static constexpr int kOffSched = kOffRed + 1024; /* unit and task prefixes, offsets */
   static constexpr int kOffScl = kOffSched + 1024; /* token scales [kStages][kSlot] */
   static constexpr int kOffBar = kOffScl + kStages * kSlot;
@@ -129,9 +136,9 @@ struct PfCfg {
   static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
 };
 
-/* the rings' depths on an H200's 227 KB: one stage fewer in L1 ran 11%
- * slower at M = 32768 (docs/PERF.md, version 24) */
-static_assert(PfCfg<1>::kStages == 4 && PfCfg<2>::kStages == 5, "stage counts");
+/* the rings' depths on an H200's 227 KB: in 64 x 256 tiles, one stage
+ * fewer in L1 ran 11% slower at M = 32768 (docs/PERF.md, version 24) */
+static_assert(PfCfg<1>::kStages == 5 && PfCfg<2>::kStages == 5, "stage counts");
 
 /* a descriptor from its low word (desc_b's high word: 1024-byte stride,
  * 128B swizzle) */
@@ -292,32 +299,35 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile("fence.proxy.async.global;" ::: "memory");
           e_ready = un.e;
         }
-        const int brow = un.e * p.N + un.nt * G::BN + (un.split ? 0 : (int)crank * (G::BN / CS));
-        for (int kb = 0; kb < KB; kb++) {
-          mbar_wait(&empty[stage], phase ^ 1);
-          uint8_t *st = sm + stage * G::kStage;
-          mbar_expect_tx(&full[stage], G::kA + G::kB + 4 * G::kScaleBox);
-          tma_2d(st, &ta, kb * 128, un.row0, &full[stage]);
-          if (un.split) /* the whole weight tile, into this CTA only */
+        for (int ps = 0; ps < G::kPasses; ps++) {
+          const int brow = un.e * p.N + un.nt * G::BN + ps * G::BNP +
+                           (un.split ? 0 : (int)crank * (G::BNP / CS));
+          for (int kb = 0; kb < KB; kb++) {
+            mbar_wait(&empty[stage], phase ^ 1);
+            uint8_t *st = sm + stage * G::kStage;
+            mbar_expect_tx(&full[stage], G::kA + G::kB + 4 * G::kScaleBox);
+            tma_2d(st, &ta, kb * 128, un.row0, &full[stage]);
+            if (un.split) /* the whole weight tile, into this CTA only */
 #pragma unroll
-            for (int i = 0; i < CS; i++)
-              tma_2d(st + G::kA + i * (G::BN / CS) * 128, &tb, kb * 128, brow + i * (G::BN / CS),
-                     &full[stage]);
-          else
-            asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes."
-              "multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(
-                  smem_u32(st + G::kA + (int)crank * (G::BN / CS) * 128)),
-              "l"((uint64_t)&tb), "r"(kb * 128), "r"(brow), "r"(smem_u32(&full[stage])),
-              "h"((uint16_t)((1u << CS) - 1))
-              : "memory");
-          /* the token scales from row0 & ~3: a box's first element must
-           * sit 16-byte aligned (an unaligned one is an illegal
-           * instruction) */
-          tma_2d(sm + G::kOffScl + stage * G::kSlot, &ts, un.row0 & ~3, kb, &full[stage]);
-          if (++stage == G::kStages) {
-            stage = 0;
-            phase ^= 1;
+              for (int i = 0; i < CS; i++)
+                tma_2d(st + G::kA + i * (G::BNP / CS) * 128, &tb, kb * 128, brow + i * (G::BNP / CS),
+                       &full[stage]);
+            else
+              asm volatile(
+                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes."
+                "multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(
+                    smem_u32(st + G::kA + (int)crank * (G::BNP / CS) * 128)),
+                "l"((uint64_t)&tb), "r"(kb * 128), "r"(brow), "r"(smem_u32(&full[stage])),
+                "h"((uint16_t)((1u << CS) - 1))
+                : "memory");
+            /* the token scales from row0 & ~3: a box's first element must
+             * sit 16-byte aligned (an unaligned one is an illegal
+             * instruction) */
+            tma_2d(sm + G::kOffScl + stage * G::kSlot, &ts, un.row0 & ~3, kb, &full[stage]);
+            if (++stage == G::kStages) {
+              stage = 0;
+              phase ^= 1;
+            }
           }
         }
       }
@@ -331,7 +341,7 @@ __global__ void __launch_bounds__(384, 1)
    * and builds the weight tile's descriptors in uniform registers */
   const int c = (int)__reduce_max_sync(0xffffffffu, (unsigned)(wg - 1));
   const int t = threadIdx.x % 128, w = t / 32, l = t % 32, q = l % 4;
-  const int aoff = G::kSplitN ? 0 : 64 * c, boff = G::kSplitN ? 128 * c : 0;
+  const int aoff = 64 * c; /* the warpgroup's token rows of the tile */
   const int r0 = 16 * w + l / 4; /* rows r0, r0 + 8 of the warpgroup's 64 */
   uint32_t peer_empty[CS - 1]; /* the other CTAs' empty barriers */
 #pragma unroll
@@ -352,7 +362,7 @@ __global__ void __launch_bounds__(384, 1)
    * offset / 16, a k32 step's 2 more (addresses below 256 KiB: the 14-bit
    * address field does not carry), the high word is the same for all */
   const uint32_t da0 = (uint32_t)desc_b(smem_u32(sm + aoff * 128)),
-                 db0 = (uint32_t)desc_b(smem_u32(sm + G::kA + boff * 128));
+                 db0 = (uint32_t)desc_b(smem_u32(sm + G::kA));
   auto issue = [&](float(&acc)[64]) {
     mbar_wait(&full[stage], phase);
     const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
@@ -375,16 +385,13 @@ __global__ void __launch_bounds__(384, 1)
    * ptxas kept one of them in local memory */
   for (; ufirst + it * ustep < nunits; it++) {
     const PfUnit un = unit_of(ufirst + it * ustep);
-    const int parity = it & 1;
-    /* the epilogue's factors, loaded now so that their latency passes under
-     * the K loop: the row factor of column t of the warpgroup's 128 and the
-     * top-k weights of the thread's two rows (L1) */
-    const float fac = __ldg(p.rs + (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + boff + t);
+    /* the top-k weights of the thread's two rows (L1), loaded now so that
+     * their latency passes under the K loop */
     float rw[2] = {0.0f, 0.0f};
     if (GEMM == 1)
 #pragma unroll
       for (int rr = 0; rr < 2; rr++)
-        if (r0 + 8 * rr < un.valid) rw[rr] = __ldg(p.row_weight + un.row0 + r0 + 8 * rr);
+        if (aoff + r0 + 8 * rr < un.valid) rw[rr] = __ldg(p.row_weight + un.row0 + aoff + r0 + 8 * rr);
     /* L2: the out row of token row t of the warpgroup's 64 (the caller's
      * map, else the pool row; -1 past the expert's rows), loaded now and
      * shared through shared memory: one map load per row instead of one
@@ -392,161 +399,187 @@ __global__ void __launch_bounds__(384, 1)
     int orow_t = -1;
     if (GEMM == 2 && t < 64 && aoff + t < un.valid)
       orow_t = p.out_rows ? __ldg(p.out_rows + un.row0 + aoff + t) : un.row0 + aoff + t;
-#pragma unroll
-    for (int i = 0; i < 64; i++) fin[i] = 0.f;
-    /* runs of kRun blocks in two accumulators: block i + 1's MMAs are
-     * queued before block i's promotion, so the warpgroup's tensor work
-     * does not stop for it. Nothing stays in flight across a loop's back
-     * edge: ptxas then serializes every MMA of the kernel. */
     /* the warpgroup's token scales in stage 0's slot (the box starts at
      * row0 & ~3) */
     const float *sc0 = (const float *)(sm + G::kOffScl) + (un.row0 & 3) + aoff;
-    /* a run of n blocks, the first already issued into acc0 at stage s0;
-     * acc0 and acc1 alternate */
-    auto run = [&](auto len, int s0) {
-      constexpr int n = decltype(len)::value;
-      int s1 = 0;
+    float amax0[2] = {0.0f, 0.0f}; /* L1: the first pass's row maxima */
+#pragma unroll 1
+    for (int ps = 0; ps < G::kPasses; ps++) {
+      /* the epilogue's slots: L1 has one per pass, L2 one per unit parity */
+      const int parity = G::kPasses > 1 ? ps : it & 1;
+      /* the row factor of column t of the pass's 128, loaded now so that its
+       * latency passes under the K loop */
+      const float fac = __ldg(p.rs + (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + ps * G::BNP + t);
 #pragma unroll
-      for (int i = 0; i < n; i++) {
-        const std::integral_constant<int, 1> next_in_flight;
-        const std::integral_constant<int, 0> none_in_flight;
-        if (i + 1 == n) { /* the run's last block: wait for everything */
-          if (i % 2 == 0) promote(acc0, s0, sc0, none_in_flight);
-          else promote(acc1, s1, sc0, none_in_flight);
-        } else if (i % 2 == 0) {
-          s1 = issue(acc1);
-          promote(acc0, s0, sc0, next_in_flight);
-        } else {
-          s0 = issue(acc0);
-          promote(acc1, s1, sc0, next_in_flight);
-        }
-      }
-    };
-    int kb = 0;
-    for (; kb + kRun <= KB; kb += kRun) run(std::integral_constant<int, kRun>(), issue(acc0));
-    for (; kb + 2 <= KB; kb += 2) run(std::integral_constant<int, 2>(), issue(acc0));
-    if (kb < KB) run(std::integral_constant<int, 1>(), issue(acc0));
-    /* ---- epilogue: the factors into shared memory (one slot per parity:
-     * a thread reaching the next unit's slot has passed this barrier, which
-     * every thread of the warpgroup meets after its previous copy-out) */
-    float *facs = (float *)(sm + G::kOffFac) + (2 * c + parity) * 128;
-    facs[t] = fac;
-    if (GEMM == 2 && t < 64) ((int *)(sm + G::kOffRed))[(2 * c + parity) * 64 + t] = orow_t;
-    named_sync(1 + c, 128);
-    if (GEMM == 1) {
-      /* accumulator column 8j + 2q + b: gate when j is even, the up of the
-       * same channel 8 columns on (j + 1); the thread's channels of the
-       * warpgroup's 64 are 8m + 2q + b (m = j / 2) */
-      float h[32], amax[2] = {0.0f, 0.0f};
-      /* one branch-free body per clamp setting: with the clamp's test
-       * between the values, each value was a basic block of its own and
-       * its table load could not be issued beside the others' */
-      auto swiglu = [&](auto clamped) {
-        /* made here, not kept across the unit loop (ptxas put it in local
-         * memory there); the expression is silu_n's, so the table's bits */
-        const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
+      for (int i = 0; i < 64; i++) fin[i] = 0.f;
+      /* runs of kRun blocks in two accumulators: block i + 1's MMAs are
+       * queued before block i's promotion, so the warpgroup's tensor work
+       * does not stop for it. Nothing stays in flight across a loop's back
+       * edge: ptxas then serializes every MMA of the kernel. */
+      /* a run of n blocks, the first already issued into acc0 at stage s0;
+       * acc0 and acc1 alternate */
+      auto run = [&](auto len, int s0) {
+        constexpr int n = decltype(len)::value;
+        int s1 = 0;
 #pragma unroll
-        for (int m = 0; m < 8; m++) {
-          /* the factors of the gate columns 16m + 2q + b and of their ups,
-           * 8 columns on: one 8-byte load each */
-          const float2 fg = *(const float2 *)(facs + 16 * m + 2 * q),
-                       fu = *(const float2 *)(facs + 16 * m + 2 * q + 8);
-#pragma unroll
-          for (int rr = 0; rr < 2; rr++)
-#pragma unroll
-            for (int b = 0; b < 2; b++) {
-              float gt, up;
-              to_bf16_pair(fin[8 * m + 2 * rr + b] * (b ? fg.y : fg.x),
-                           fin[8 * m + 4 + 2 * rr + b] * (b ? fu.y : fu.x), gt, up);
-              /* a BF16 gate from the table (its index is in the table
-               * whatever the gate); a clamped one that BF16 cannot hold is
-               * the clamp itself, whose silu is silu_c */
-              float s;
-              if constexpr (decltype(clamped)::value) {
-                /* the gate keeps a NaN's bits (min.NaN would make it the
-                 * canonical NaN, whose low half is not 0: silu_c below), the
-                 * up may become the canonical NaN, a NaN all the same */
-                gt = mm_clamp_gate(gt, p.clamp);
-                up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
-                const uint32_t gb = __float_as_uint(gt);
-                s = silu_entry(p.silu, gb >> 16);
-                if (gb & 0xFFFFu) s = silu_c;
-              } else {
-                s = silu_entry(p.silu, __float_as_uint(gt) >> 16);
-              }
-              const float v = (s * up) * rw[rr];
-              h[16 * rr + 2 * m + b] = v;
-              amax[rr] = fmaxf(amax[rr], fabsf(v));
-            }
+        for (int i = 0; i < n; i++) {
+          const std::integral_constant<int, 1> next_in_flight;
+          const std::integral_constant<int, 0> none_in_flight;
+          if (i + 1 == n) { /* the run's last block: wait for everything */
+            if (i % 2 == 0) promote(acc0, s0, sc0, none_in_flight);
+            else promote(acc1, s1, sc0, none_in_flight);
+          } else if (i % 2 == 0) {
+            s1 = issue(acc1);
+            promote(acc0, s0, sc0, next_in_flight);
+          } else {
+            s0 = issue(acc0);
+            promote(acc1, s1, sc0, next_in_flight);
+          }
         }
       };
-      if (p.clamp > 0.0f) swiglu(std::true_type());
-      else swiglu(std::false_type());
-      float *red = (float *)(sm + G::kOffRed) + parity * 128;
-#pragma unroll
-      for (int rr = 0; rr < 2; rr++) {
-        amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 1));
-        amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 2));
-        if (q == 0) red[64 * c + r0 + 8 * rr] = amax[rr];
-      }
-      /* the only barrier both warpgroups meet: a row's 128 channels */
-      named_sync(3, 256);
-      uint8_t *half = sm + G::kOffStg + c * 4096; /* 64 rows x this warpgroup's 64 channels */
-#pragma unroll
-      for (int rr = 0; rr < 2; rr++) {
-        const int row = r0 + 8 * rr;
-        const float mx = fmaxf(fmaxf(red[row], red[64 + row]), 1e-4f);
-        const float inv = 448.0f / mx;
-        if (c == 0 && q == 0 && row < un.valid) p.as_t[(size_t)un.nt * p.Mp + un.row0 + row] = mx / 448.0f;
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-          const uint32_t pair = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
-          *(uint16_t *)(half + row * 64 + 8 * m + 2 * q) = (uint16_t)pair;
-        }
-      }
+      int kb = 0;
+      for (; kb + kRun <= KB; kb += kRun) run(std::integral_constant<int, kRun>(), issue(acc0));
+      for (; kb + 2 <= KB; kb += 2) run(std::integral_constant<int, 2>(), issue(acc0));
+      if (kb < KB) run(std::integral_constant<int, 1>(), issue(acc0));
+      /* ---- epilogue: the factors into shared memory (one slot per parity:
+       * a thread reaching the next unit's slot has passed this barrier, which
+       * every thread of the warpgroup meets after its previous copy-out) */
+      float *facs = (float *)(sm + G::kOffFac) + (2 * c + parity) * 128;
+      facs[t] = fac;
+      if (GEMM == 2 && t < 64) ((int *)(sm + G::kOffRed))[(2 * c + parity) * 64 + t] = orow_t;
       named_sync(1 + c, 128);
-      /* two threads per token row, 32 bytes each */
-      const int row = t / 2;
-      if (row < un.valid) {
-        const uint4 *src = (const uint4 *)(half + row * 64 + (t % 2) * 32);
-        uint4 *dst = (uint4 *)(p.act + (size_t)(un.row0 + row) * (p.N / 2) + un.nt * 128 + 64 * c +
-                               (t % 2) * 32);
-        dst[0] = src[0];
-        dst[1] = src[1];
-      }
-    } else {
-      /* BF16 tile in staging: row r's 16-byte chunk j at j ^ (r % 8), so
-       * the 8 rows of a store (r % 8 = g) fall in different banks. The rows
-       * are 256 bytes in a 1024-aligned tile, so the chunk's address is
-       * (the row's | (r % 8) << 4) ^ (j << 4): one XOR per store. */
-      uint8_t *stg = sm + G::kOffStg + c * 16384;
-      const int *orows = (const int *)(sm + G::kOffRed) + (2 * c + parity) * 64;
-      /* the thread's column factors, read before the stores, whose memory
-       * clobbers would have them read again for every store */
-      float2 fc[16];
+      if (GEMM == 1) {
+        /* accumulator column 8j + 2q + b: gate when j is even, the up of the
+         * same channel 8 columns on (j + 1); the thread's channels of the
+         * pass's 64 are 8m + 2q + b (m = j / 2) */
+        float h[32], amax[2] = {0.0f, 0.0f};
+        /* one branch-free body per clamp setting: with the clamp's test
+         * between the values, each value was a basic block of its own and
+         * its table load could not be issued beside the others' */
+        auto swiglu = [&](auto clamped) {
+          /* made here, not kept across the unit loop (ptxas put it in local
+           * memory there); the expression is silu_n's, so the table's bits */
+          const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
 #pragma unroll
-      for (int j = 0; j < 16; j++) fc[j] = *(const float2 *)(facs + 8 * j + 2 * q);
+          for (int m = 0; m < 8; m++) {
+            /* the factors of the gate columns 16m + 2q + b and of their ups,
+             * 8 columns on: one 8-byte load each */
+            const float2 fg = *(const float2 *)(facs + 16 * m + 2 * q),
+                         fu = *(const float2 *)(facs + 16 * m + 2 * q + 8);
 #pragma unroll
-      for (int rr = 0; rr < 2; rr++) {
-        const int row = r0 + 8 * rr;
-        const uint32_t at = (smem_u32(stg + row * 256) | (uint32_t)(row & 7) << 4) + 4 * q;
+            for (int rr = 0; rr < 2; rr++)
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-          __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * rr] * fc[j].x,
-                                                   fin[4 * j + 2 * rr + 1] * fc[j].y);
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(at ^ (uint32_t)(j << 4)), "r"(*(uint32_t *)&v)
-                       : "memory");
+              for (int b = 0; b < 2; b++) {
+                float gt, up;
+                to_bf16_pair(fin[8 * m + 2 * rr + b] * (b ? fg.y : fg.x),
+                             fin[8 * m + 4 + 2 * rr + b] * (b ? fu.y : fu.x), gt, up);
+                /* a BF16 gate from the table (its index is in the table
+                 * whatever the gate); a clamped one that BF16 cannot hold is
+                 * the clamp itself, whose silu is silu_c */
+                float s;
+                if constexpr (decltype(clamped)::value) {
+                  /* the gate keeps a NaN's bits (min.NaN would make it the
+                   * canonical NaN, whose low half is not 0: silu_c below), the
+                   * up may become the canonical NaN, a NaN all the same */
+                  gt = mm_clamp_gate(gt, p.clamp);
+                  up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
+                  const uint32_t gb = __float_as_uint(gt);
+                  s = silu_entry(p.silu, gb >> 16);
+                  if (gb & 0xFFFFu) s = silu_c;
+                } else {
+                  s = silu_entry(p.silu, __float_as_uint(gt) >> 16);
+                }
+                const float v = (s * up) * rw[rr];
+                h[16 * rr + 2 * m + b] = v;
+                amax[rr] = fmaxf(amax[rr], fabsf(v));
+              }
+          }
+        };
+        if (p.clamp > 0.0f) swiglu(std::true_type());
+        else swiglu(std::false_type());
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+          amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 1));
+          amax[rr] = fmaxf(amax[rr], __shfl_xor_sync(0xffffffffu, amax[rr], 2));
         }
-      }
-      named_sync(1 + c, 128);
-      /* 16 threads per token row; a map entry outside [0, M) is a caller's
-       * bug and is not followed into foreign memory */
+        /* a row's 128 channels are the warpgroup's over both passes: the
+         * first pass's values wait in shared memory (each thread's own,
+         * [value][thread]: no barrier, no bank conflicts), their maxima in
+         * registers */
+        float *stash = (float *)(sm + G::kOffStg + c * 16384);
+        if (ps == 0) {
 #pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int row = t / 16 + 8 * i, ck = t % 16, orow = orows[row];
-        if ((unsigned)orow < (unsigned)p.M)
-          *(uint4 *)(p.out + (size_t)orow * p.N + un.nt * 128 + ck * 8) =
-              *(const uint4 *)(stg + row * 256 + ((ck ^ (row & 7)) << 4));
+          for (int i = 0; i < 32; i++) stash[128 * i + t] = h[i];
+          amax0[0] = amax[0];
+          amax0[1] = amax[1];
+        } else {
+          float h0[32];
+#pragma unroll
+          for (int i = 0; i < 32; i++) h0[i] = stash[128 * i + t];
+          named_sync(1 + c, 128); /* the stash becomes the codes' staging */
+          /* 64 rows x 128 channels; row r's 16-byte chunk j at j ^ (r % 8) */
+          uint8_t *stg = sm + G::kOffStg + c * 16384;
+#pragma unroll
+          for (int rr = 0; rr < 2; rr++) {
+            const int row = r0 + 8 * rr;
+            const float mx = fmaxf(fmaxf(amax0[rr], amax[rr]), 1e-4f);
+            const float inv = 448.0f / mx;
+            if (q == 0 && aoff + row < un.valid)
+              p.as_t[(size_t)un.nt * p.Mp + un.row0 + aoff + row] = mx / 448.0f;
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+              const int sw = row & 7, in = 8 * (m & 1) + 2 * q;
+              const uint32_t c0 = to_e4m3x2(h0[16 * rr + 2 * m] * inv, h0[16 * rr + 2 * m + 1] * inv),
+                             c1 = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
+              *(uint16_t *)(stg + row * 128 + (((m >> 1) ^ sw) << 4) + in) = (uint16_t)c0;
+              *(uint16_t *)(stg + row * 128 + (((4 + (m >> 1)) ^ sw) << 4) + in) = (uint16_t)c1;
+            }
+          }
+          named_sync(1 + c, 128);
+          /* two threads per token row, 64 bytes each */
+          const int row = t / 2, hf = t % 2;
+          if (aoff + row < un.valid) {
+            uint4 *dst = (uint4 *)(p.act + (size_t)(un.row0 + aoff + row) * (p.N / 2) +
+                                   un.nt * 128 + 64 * hf);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+              dst[i] = *(const uint4 *)(stg + row * 128 + (((4 * hf + i) ^ (row & 7)) << 4));
+          }
+        }
+      } else {
+        /* BF16 tile in staging: row r's 16-byte chunk j at j ^ (r % 8), so
+         * the 8 rows of a store (r % 8 = g) fall in different banks. The rows
+         * are 256 bytes in a 1024-aligned tile, so the chunk's address is
+         * (the row's | (r % 8) << 4) ^ (j << 4): one XOR per store. */
+        uint8_t *stg = sm + G::kOffStg + c * 16384;
+        const int *orows = (const int *)(sm + G::kOffRed) + (2 * c + parity) * 64;
+        /* the thread's column factors, read before the stores, whose memory
+         * clobbers would have them read again for every store */
+        float2 fc[16];
+#pragma unroll
+        for (int j = 0; j < 16; j++) fc[j] = *(const float2 *)(facs + 8 * j + 2 * q);
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+          const int row = r0 + 8 * rr;
+          const uint32_t at = (smem_u32(stg + row * 256) | (uint32_t)(row & 7) << 4) + 4 * q;
+#pragma unroll
+          for (int j = 0; j < 16; j++) {
+            __nv_bfloat162 v = __floats2bfloat162_rn(fin[4 * j + 2 * rr] * fc[j].x,
+                                                     fin[4 * j + 2 * rr + 1] * fc[j].y);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(at ^ (uint32_t)(j << 4)), "r"(*(uint32_t *)&v)
+                         : "memory");
+          }
+        }
+        named_sync(1 + c, 128);
+        /* 16 threads per token row; a map entry outside [0, M) is a caller's
+         * bug and is not followed into foreign memory */
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          const int row = t / 16 + 8 * i, ck = t % 16, orow = orows[row];
+          if ((unsigned)orow < (unsigned)p.M)
+            *(uint4 *)(p.out + (size_t)orow * p.N + un.nt * 128 + ck * 8) =
+                *(const uint4 *)(stg + row * 256 + ((ck ^ (row & 7)) << 4));
+        }
       }
     }
   }
@@ -628,9 +661,9 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   /* the weight tiles' copies (1 / kClusterSize of their rows per CTA) and
    * the decode's tensor stores (32 x 128 tiles) */
   MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
-                  C1::BN / kClusterSize, true));
+                  C1::BNP / kClusterSize, true));
   MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128,
-                  C2::BN / kClusterSize, true));
+                  C2::BNP / kClusterSize, true));
   MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
                   32, true));
   MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128, 32,
