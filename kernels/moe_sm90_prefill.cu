@@ -36,7 +36,7 @@
  *   epilogue (top-k weight, FP8 per 128 channels, ref_moe.h's order)
  *   writes the intermediate and its scales. (64 x 256 tiles, the
  *   warpgroups splitting the columns, filled a fourth more shared memory
- *   per FLOP and ran 1-4% slower: docs/PERF.md, version 27.)
+ *   per FLOP and ran up to 4% slower: docs/PERF.md, version 27.)
  * - L2: units of 128 tokens and 128 rows of w2; BF16 out through the row
  *   map.
  * mm_sm90_prefill_chunk experts (compute.prefill-experts, at most kChunk)
