@@ -36,7 +36,9 @@
  *   epilogue (top-k weight, FP8 per 128 channels, ref_moe.h's order)
  *   writes the intermediate and its scales. (64 x 256 tiles, the
  *   warpgroups splitting the columns, filled a fourth more shared memory
- *   per FLOP and ran up to 4% slower: docs/PERF.md, version 27.)
+ *   per FLOP: up to 4% slower from 896 rows per expert, up to 3% faster at
+ *   448-768, where the units of twice the work leave longer tails;
+ *   docs/PERF.md, version 27.)
  * - L2: units of 128 tokens and 128 rows of w2; BF16 out through the row
  *   map.
  * mm_sm90_prefill_chunk experts (compute.prefill-experts, at most kChunk)
