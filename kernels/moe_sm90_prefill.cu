@@ -450,6 +450,8 @@ __global__ void __launch_bounds__(384, 1)
       facs[t] = fac;
       if (GEMM == 2 && t < 64) ((int *)(sm + G::kOffRed))[(2 * c + parity) * 64 + t] = orow_t;
       named_sync(1 + c, 128);
+      /* the warpgroup's staging region (kStg) */
+      uint8_t *const stg = sm + G::kOffStg + c * 16384;
       if (GEMM == 1) {
         /* accumulator column 8j + 2q + b: gate when j is even, the up of the
          * same channel 8 columns on (j + 1); the thread's channels of the
@@ -508,7 +510,7 @@ __global__ void __launch_bounds__(384, 1)
          * first pass's values wait in shared memory (each thread's own,
          * [value][thread]: no barrier, no bank conflicts), their maxima in
          * registers */
-        float *stash = (float *)(sm + G::kOffStg + c * 16384);
+        float *stash = (float *)stg;
         if (ps == 0) {
 #pragma unroll
           for (int i = 0; i < 32; i++) stash[128 * i + t] = h[i];
@@ -520,7 +522,7 @@ __global__ void __launch_bounds__(384, 1)
           for (int i = 0; i < 32; i++) h0[i] = stash[128 * i + t];
           named_sync(1 + c, 128); /* the stash becomes the codes' staging */
           /* 64 rows x 128 channels; row r's 16-byte chunk j at j ^ (r % 8) */
-          uint8_t *stg = sm + G::kOffStg + c * 16384;
+          auto chunk = [&](int r, int j) { return stg + r * 128 + ((j ^ (r & 7)) << 4); };
 #pragma unroll
           for (int rr = 0; rr < 2; rr++) {
             const int row = r0 + 8 * rr;
@@ -530,11 +532,11 @@ __global__ void __launch_bounds__(384, 1)
               p.as_t[(size_t)un.nt * p.Mp + un.row0 + aoff + row] = mx / 448.0f;
 #pragma unroll
             for (int m = 0; m < 8; m++) {
-              const int sw = row & 7, in = 8 * (m & 1) + 2 * q;
+              const int in = 8 * (m & 1) + 2 * q;
               const uint32_t c0 = to_e4m3x2(h0[16 * rr + 2 * m] * inv, h0[16 * rr + 2 * m + 1] * inv),
                              c1 = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
-              *(uint16_t *)(stg + row * 128 + (((m >> 1) ^ sw) << 4) + in) = (uint16_t)c0;
-              *(uint16_t *)(stg + row * 128 + (((4 + (m >> 1)) ^ sw) << 4) + in) = (uint16_t)c1;
+              *(uint16_t *)(chunk(row, m >> 1) + in) = (uint16_t)c0;
+              *(uint16_t *)(chunk(row, 4 + (m >> 1)) + in) = (uint16_t)c1;
             }
           }
           named_sync(1 + c, 128);
@@ -545,7 +547,7 @@ __global__ void __launch_bounds__(384, 1)
                                    un.nt * 128 + 64 * hf);
 #pragma unroll
             for (int i = 0; i < 4; i++)
-              dst[i] = *(const uint4 *)(stg + row * 128 + (((4 * hf + i) ^ (row & 7)) << 4));
+              dst[i] = *(const uint4 *)chunk(row, 4 * hf + i);
           }
         }
       } else {
@@ -553,7 +555,6 @@ __global__ void __launch_bounds__(384, 1)
          * the 8 rows of a store (r % 8 = g) fall in different banks. The rows
          * are 256 bytes in a 1024-aligned tile, so the chunk's address is
          * (the row's | (r % 8) << 4) ^ (j << 4): one XOR per store. */
-        uint8_t *stg = sm + G::kOffStg + c * 16384;
         const int *orows = (const int *)(sm + G::kOffRed) + (2 * c + parity) * 64;
         /* the thread's column factors, read before the stores, whose memory
          * clobbers would have them read again for every store */
