@@ -22,9 +22,12 @@
  *
  * Per kernel: a persistent grid of clusters of 2 CTAs on neighbouring token
  * tiles of one expert, each CTA copying half of the weight tile into both
- * (multicast); an expert's odd last token tile goes to both CTAs with
- * different column tiles (PfUnit::split), and a large expert's tiles are
- * walked in raster groups (mm_sm90_prefill_unit, plugin/layout_sm90.h).
+ * (multicast); an expert's odd last token tile, or its last set where the
+ * last tile holds at most 64 rows, goes to both CTAs with different column
+ * tiles (PfUnit::split), and a large expert's tiles are walked in raster
+ * groups (mm_sm90_prefill_unit, plugin/layout_sm90.h). A warpgroup without
+ * rows in a tile only releases its stages, so that a tile of at most 64
+ * rows takes one warpgroup's MMAs (docs/PERF.md, version 28).
  * One producer warpgroup (thread 0: copies; warps 1-3: decode) and two
  * consumer warpgroups, each with two accumulators, so that a K
  * block's MMAs run while the previous block's sums are promoted.
@@ -185,11 +188,13 @@ __device__ __forceinline__ void to_bf16_pair(float g, float u, float &gb, float 
 /* A work unit: expert e (of the launch), token tile mt (of the expert's),
  * column tile nt; row0 the pool row of the tile's first token (a tile past
  * the expert's rows, in a cluster's last set, re-reads its first tile),
- * valid its rows of the expert. split: an expert's last token tile when it
- * is alone in its set (mm_sm90_prefill_unit): every CTA of the cluster
- * takes it, each with its own column tile, copied whole without multicast
- * (a column tile past the matrix re-reads the last one, valid 0); otherwise
- * the set's other CTAs would only wait beside it. */
+ * valid its rows of the expert. split: one of an expert's last token tiles
+ * (mm_sm90_prefill_unit): every CTA of the cluster takes it, each with its
+ * own column tile, copied whole without multicast (a column tile past the
+ * matrix re-reads the last one, valid 0). A last tile alone in its set is
+ * split, since the set's other CTAs would only wait beside it; so is the
+ * last set when its last tile holds at most 64 rows, since that tile's one
+ * busy warpgroup would otherwise keep the pace of its peer's full tile. */
 struct PfUnit {
   int e, nt, row0, valid, split;
 };
@@ -198,7 +203,7 @@ template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
-                   const __grid_constant__ CUtensorMap tw) {
+                   const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah) {
   using G = PfCfg<GEMM>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -212,6 +217,9 @@ __global__ void __launch_bounds__(384, 1)
   const int groups = (KB + 15) / 16, tasks_pe = p.N / 64 * groups;
   uint32_t crank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
+  /* an expert whose last token tile holds at most one warpgroup's rows:
+   * that tile's units are split, so that no peer's full tile paces them */
+  auto small_last = [](int rows) { return rows % G::BM != 0 && rows % G::BM <= G::BM / 2; };
   if (threadIdx.x == 0) {
     for (int s = 0; s < G::kStages; s++) {
       mbar_init(&full[s], 1);
@@ -225,7 +233,8 @@ __global__ void __launch_bounds__(384, 1)
       const int b = min(max(p.offsets[p.e0 + e + 1], a), p.M);
       rbeg[e] = a;
       rend[e] = b;
-      uoff[e + 1] = uoff[e] + mm_sm90_prefill_units((b - a + G::BM - 1) / G::BM, CS, NT);
+      uoff[e + 1] = uoff[e] + mm_sm90_prefill_units((b - a + G::BM - 1) / G::BM, CS, NT,
+                                                    small_last(b - a));
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
     }
   }
@@ -250,9 +259,10 @@ __global__ void __launch_bounds__(384, 1)
      * all sets of a large expert went for one column tile at a time, every
      * column tile streamed its tokens from HBM again (docs/PERF.md,
      * version 23) */
-    const int a = rbeg[cur], tiles = (rend[cur] - a + G::BM - 1) / G::BM;
+    const int a = rbeg[cur], rows = rend[cur] - a, tiles = (rows + G::BM - 1) / G::BM;
     int mt;
-    mm_sm90_prefill_unit(tiles, CS, NT, (int)crank, u - uoff[cur], &mt, &un.nt, &un.split);
+    mm_sm90_prefill_unit(tiles, CS, NT, small_last(rows), (int)crank, u - uoff[cur], &mt, &un.nt,
+                         &un.split);
     const bool past = un.nt >= NT;
     un.nt = min(un.nt, NT - 1);
     un.valid = past ? 0 : min(max(rend[cur] - a - mt * G::BM, 0), G::BM);
@@ -301,14 +311,16 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile("fence.proxy.async.global;" ::: "memory");
           e_ready = un.e;
         }
+        /* at most one warpgroup's rows: only its half of the token tile */
+        const bool half = un.valid <= G::BM / 2;
         for (int ps = 0; ps < G::kPasses; ps++) {
           const int brow = un.e * p.N + un.nt * G::BN + ps * G::BNP +
                            (un.split ? 0 : (int)crank * (G::BNP / CS));
           for (int kb = 0; kb < KB; kb++) {
             mbar_wait(&empty[stage], phase ^ 1);
             uint8_t *st = sm + stage * G::kStage;
-            mbar_expect_tx(&full[stage], G::kA + G::kB + 4 * G::kScaleBox);
-            tma_2d(st, &ta, kb * 128, un.row0, &full[stage]);
+            mbar_expect_tx(&full[stage], (half ? G::kA / 2 : G::kA) + G::kB + 4 * G::kScaleBox);
+            tma_2d(st, half ? &tah : &ta, kb * 128, un.row0, &full[stage]);
             if (un.split) /* the whole weight tile, into this CTA only */
 #pragma unroll
               for (int i = 0; i < CS; i++)
@@ -387,6 +399,23 @@ __global__ void __launch_bounds__(384, 1)
    * ptxas kept one of them in local memory */
   for (; ufirst + it * ustep < nunits; it++) {
     const PfUnit un = unit_of(ufirst + it * ustep);
+    if (aoff >= un.valid) {
+      /* no rows for this warpgroup (a small last tile, or a unit for
+       * nobody): it only releases the stages, and the other warpgroup's
+       * MMAs have the tensor cores to themselves. The barrier keeps the
+       * warpgroup's warps within a unit of each other, as an epilogue's
+       * does (the factor slots alternate by unit). */
+      for (int i = 0; i < G::kPasses * KB; i++) {
+        mbar_wait(&full[stage], phase);
+        uint32_t peer[CS - 1];
+#pragma unroll
+        for (int j = 0; j < CS - 1; j++) peer[j] = peer_empty[j] + 8 * stage;
+        ss_release<CS>(&empty[stage], peer);
+        next_stage();
+      }
+      named_sync(1 + c, 128);
+      continue;
+    }
     /* the top-k weights of the thread's two rows (L1), loaded now so that
      * their latency passes under the K loop */
     float rw[2] = {0.0f, 0.0f};
@@ -611,7 +640,8 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, cudaStream_t st) {
+               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah,
+               cudaStream_t st) {
   using G = PfCfg<GEMM>;
   auto kern = prefill_kernel<GEMM, CS>;
   /* per call: a function attribute belongs to one device's context */
@@ -622,7 +652,7 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   int ctas = 0;
   MM_TRY((grid_size<GEMM, CS>(cfg, &ctas)));
   cfg.gridDim = dim3(ctas);
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah));
   return NULL;
 }
 
@@ -651,11 +681,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int chunk = mm_sm90_prefill_chunk(L), chunks = (L->E + chunk - 1) / chunk;
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
-  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2;
+  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h;
   const int ec = chunk;
   using C1 = PfCfg<1>;
   using C2 = PfCfg<2>;
   MM_TRY(make_map(&x1, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM, true));
+  /* the token tiles' first halves, for tiles of at most one warpgroup's rows */
+  MM_TRY(make_map(&x1h, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM / 2, true));
+  MM_TRY(make_map(&x2h, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM / 2, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
                   C1::kScaleBox, 1, false));
   MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM, true));
@@ -698,14 +731,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, st)));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, st)));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, st)));
   }
   return NULL;
 }

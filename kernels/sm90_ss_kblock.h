@@ -34,13 +34,11 @@ __device__ __forceinline__ void ss_issue(uint64_t da, uint64_t db, float (&acc)[
   fence_acc(acc);
 }
 
-template <int kCS, int kPending>
-__device__ __forceinline__ void ss_promote(const float *sc, int r0, uint64_t *empty,
-                                           const uint32_t *peer_empty, float (&acc)[64],
-                                           float (&fin)[64]) {
-  wg_wait<kPending>();
-  fence_acc(acc); /* acc's reads stay after the wait */
-  const float s0 = sc[r0], s1 = sc[r0 + 8];
+/* The release of a stage (see above): after the thread's reads, by lane 0
+ * of each warp on this CTA's barrier and the peers' in clusters, else by
+ * every thread. */
+template <int kCS>
+__device__ __forceinline__ void ss_release(uint64_t *empty, const uint32_t *peer_empty) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   if (kCS > 1) {
     __syncwarp();
@@ -53,6 +51,16 @@ __device__ __forceinline__ void ss_promote(const float *sc, int r0, uint64_t *em
   } else {
     mbar_arrive(empty);
   }
+}
+
+template <int kCS, int kPending>
+__device__ __forceinline__ void ss_promote(const float *sc, int r0, uint64_t *empty,
+                                           const uint32_t *peer_empty, float (&acc)[64],
+                                           float (&fin)[64]) {
+  wg_wait<kPending>();
+  fence_acc(acc); /* acc's reads stay after the wait */
+  const float s0 = sc[r0], s1 = sc[r0 + 8];
+  ss_release<kCS>(empty, peer_empty);
 #pragma unroll
   for (int j = 0; j < 16; j++) {
     fin[4 * j] = fmaf(acc[4 * j], s0, fin[4 * j]);

@@ -264,17 +264,28 @@ MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk) {
 
 /* The prefill path's work units of one expert of `tiles` token tiles, nt
  * column tiles, in clusters of cs CTAs (kernels/moe_sm90_prefill.cu;
- * docs/PERF.md, version 23). The full sets (cs consecutive token tiles, one
- * per CTA, sharing one column tile whose weights each CTA multicasts a
- * 1 / cs of) go in raster groups of MM_SM90_PREFILL_RASTER_SETS sets, each
- * group walked set by set for every column tile in turn, so that the units
- * in flight share a few token and column tiles in L2. A last set of one
- * tile is split: every CTA takes that tile with its own column tile, copied
- * whole; a last set of more tiles (cs > 2) runs as a full set. */
+ * docs/PERF.md, versions 23 and 28). The full sets (cs consecutive token
+ * tiles, one per CTA, sharing one column tile whose weights each CTA
+ * multicasts a 1 / cs of) go in raster groups of MM_SM90_PREFILL_RASTER_SETS
+ * sets, each group walked set by set for every column tile in turn, so that
+ * the units in flight share a few token and column tiles in L2. The last
+ * tiles may be split: every CTA takes the tile with its own column tile,
+ * copied whole. A last set of one tile is split; so is the last set when
+ * the expert's last tile is small (small_last: at most half a tile of rows,
+ * which one consumer warpgroup computes alone, in about half the time, when
+ * no other CTA's copies hold it to a full tile's pace). Otherwise a last set
+ * of more tiles (cs > 2) runs as a full set. */
 #define MM_SM90_PREFILL_RASTER_SETS 8
-MM_SM90_HD int mm_sm90_prefill_units(int tiles, int cs, int nt) {
+/* the trailing tiles taken split */
+MM_SM90_HD int mm_sm90_prefill_split_tiles(int tiles, int cs, int small_last) {
   const int rem = tiles % cs;
-  return tiles / cs * nt + (rem == 0 ? 0 : rem == 1 ? (nt + cs - 1) / cs : nt);
+  if (cs == 1 || tiles == 0) return 0;
+  if (rem == 1) return 1;
+  return small_last ? (rem ? rem : cs) : 0;
+}
+MM_SM90_HD int mm_sm90_prefill_units(int tiles, int cs, int nt, int small_last) {
+  const int ns = mm_sm90_prefill_split_tiles(tiles, cs, small_last), rest = tiles - ns;
+  return rest / cs * nt + (rest % cs ? nt : 0) + ns * ((nt + cs - 1) / cs);
 }
 /* Unit v (0 .. mm_sm90_prefill_units - 1) of the expert for the CTA of
  * cluster rank `rank`: its token tile *mt and column tile *ct, and whether
@@ -282,18 +293,20 @@ MM_SM90_HD int mm_sm90_prefill_units(int tiles, int cs, int nt) {
  * matrix (*ct >= nt) is work for nobody: the kernel re-reads a valid tile
  * and stores nothing. Every (token tile, column tile) pair is one unit's
  * for exactly one CTA (test_layout_sm90, test_prefill_units). */
-MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int rank, int v, int *mt, int *ct,
-                                     int *split) {
-  const int sets = tiles / cs, g = MM_SM90_PREFILL_RASTER_SETS;
+MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int small_last, int rank, int v,
+                                     int *mt, int *ct, int *split) {
+  const int ns = mm_sm90_prefill_split_tiles(tiles, cs, small_last);
+  const int sets = (tiles - ns) / cs, g = MM_SM90_PREFILL_RASTER_SETS;
   *split = 0;
   if (v < sets * nt) {
     const int first = v / (g * nt) * g, gs = sets - first < g ? sets - first : g;
     const int w = v - first * nt;
     *mt = cs * (first + w % gs) + rank;
     *ct = w / gs;
-  } else if (tiles % cs == 1) {
-    *mt = tiles - 1;
-    *ct = cs * (v - sets * nt) + rank;
+  } else if (ns > 0) {
+    const int w = v - sets * nt, cu = (nt + cs - 1) / cs;
+    *mt = cs * sets + w / cu;
+    *ct = cs * (w % cu) + rank;
     *split = 1;
   } else {
     *mt = cs * sets + rank;

@@ -669,7 +669,10 @@ static const int k_counts_empty[] = {0, 0};
 /* both widths of the prefill's launch pair in one call: 150 and 140 rows
  * take one 160-wide tile, 3 and 70 a 128-wide one (mm_sm90_wide_tiles) */
 static const int k_counts_pair[] = {150, 3, 70, 0, 140};
-static const int k_counts_big[] = {2100, 77, 0};
+/* 2100 rows: 17 L1 token tiles, the last of 52 rows split alone; 1930:
+ * 16 tiles, the last of 10 rows, so the last set of two is split and one
+ * warpgroup computes the small tile (mm_sm90_prefill_unit) */
+static const int k_counts_big[] = {2100, 77, 0, 1930};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
@@ -684,9 +687,10 @@ static const shape k_shapes[] = {
     {256, 128, 40, NULL, 9, 0.0f, 0, 0, 0},
     /* 10 and 9 K blocks: the prefill path's runs of 8, 2 and 1 (kRun) */
     {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
-    /* the prefill path's raster groups (33 L1 token tiles: two groups of 8
-     * sets and a split last tile) and odd tile counts in both GEMMs */
-    {256, 256, 3, k_counts_big, 0, 0.0f, 0, 0, 0},
+    /* the prefill path's raster groups (17 L1 token tiles: two groups of 8
+     * sets and a split last tile; 16 with a small last tile) and odd tile
+     * counts in both GEMMs */
+    {256, 256, 4, k_counts_big, 0, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
@@ -730,7 +734,7 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s2);
   const shape s3 = {1280, 1152, 3, k_counts_a, 0, 0.0f, 0, 1, 0}; /* runs of 8, 2, 1 */
   run_case(MM_WMODE_G32_FP8, &s3);
-  const shape s4 = {256, 256, 3, k_counts_big, 0, 0.0f, 0, 1, 0}; /* raster groups, split tiles */
+  const shape s4 = {256, 256, 4, k_counts_big, 0, 0.0f, 0, 1, 0}; /* raster groups, split tiles */
   run_case(MM_WMODE_G32_FP8, &s4);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);

@@ -582,55 +582,69 @@ static void test_wide_tiles(void) {
  * token tile and a column tile is computed by exactly one CTA of one unit
  * (a lost pair would drop tokens, a doubled one race on their output); a
  * full set's CTAs share the column tile they multicast and hold
- * consecutive token tiles; a split unit's CTAs share the expert's last tile;
- * raster groups hold MM_SM90_PREFILL_RASTER_SETS sets, and an expert of at
- * most that many sets keeps the order of all its sets per column tile. */
+ * consecutive token tiles; a split unit's CTAs share one of the expert's
+ * last tiles (the last one alone, or with a small last tile the whole last
+ * set); raster groups hold MM_SM90_PREFILL_RASTER_SETS sets, and an expert
+ * of at most that many sets keeps the order of all its sets per column
+ * tile. Without a small last tile the units are the old ones (only a last
+ * set of one tile split). */
 static void test_prefill_units(void) {
   static const int k_cs[] = {1, 2, 4};
   static const int k_nt[] = {1, 2, 3, 5, 9, 16, 48};
   static const int k_tiles[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 257};
   const int g = MM_SM90_PREFILL_RASTER_SETS;
   int bad = 0;
-  for (size_t a = 0; a < sizeof(k_cs) / sizeof(k_cs[0]); a++)
-    for (size_t b = 0; b < sizeof(k_nt) / sizeof(k_nt[0]); b++)
-      for (size_t c = 0; c < sizeof(k_tiles) / sizeof(k_tiles[0]); c++) {
-        const int cs = k_cs[a], nt = k_nt[b], tiles = k_tiles[c], sets = tiles / cs;
-        const int units = mm_sm90_prefill_units(tiles, cs, nt);
-        int *count = mm_test_alloc(sizeof(int) * (size_t)(tiles ? tiles : 1) * (size_t)nt);
-        CHECK(units <= (tiles + cs - 1) / cs * nt);
-        for (int v = 0; v < units; v++) {
-          int mt0 = 0, ct0 = 0, split0 = 0;
-          for (int r = 0; r < cs; r++) {
-            int mt, ct, split;
-            mm_sm90_prefill_unit(tiles, cs, nt, r, v, &mt, &ct, &split);
-            if (r == 0) mt0 = mt, ct0 = ct, split0 = split;
-            bad += mt < 0 || ct < 0 || split != split0;
-            if (split)
-              bad += mt != tiles - 1 || ct != ct0 + r || tiles % cs != 1;
-            else
-              bad += ct != ct0 || mt != mt0 + r;
-            if (mt < tiles && ct < nt) count[mt * nt + ct]++;
-            /* raster groups, and the old order where one group holds all */
-            if (!split && v < sets * nt) {
-              bad += mt / cs / g != v / (g * nt);
-              if (sets <= g) bad += mt != cs * (v % sets) + r || ct != v / sets;
+  for (int small = 0; small < 2; small++)
+    for (size_t a = 0; a < sizeof(k_cs) / sizeof(k_cs[0]); a++)
+      for (size_t b = 0; b < sizeof(k_nt) / sizeof(k_nt[0]); b++)
+        for (size_t c = 0; c < sizeof(k_tiles) / sizeof(k_tiles[0]); c++) {
+          const int cs = k_cs[a], nt = k_nt[b], tiles = k_tiles[c], rem = tiles % cs;
+          /* the trailing tiles split, by the rule's words */
+          const int ns = cs == 1 || tiles == 0 ? 0 : rem == 1 ? 1 : small ? (rem ? rem : cs) : 0;
+          const int sets = (tiles - ns) / cs;
+          const int units = mm_sm90_prefill_units(tiles, cs, nt, small);
+          int *count = mm_test_alloc(sizeof(int) * (size_t)(tiles ? tiles : 1) * (size_t)nt);
+          bad += mm_sm90_prefill_split_tiles(tiles, cs, small) != ns;
+          /* every pair has a slot; a split set adds at most one unit a tile */
+          CHECK(units * cs >= tiles * nt && units <= (tiles + cs - 1) / cs * nt + ns);
+          if (!small) /* the old count */
+            bad += units != tiles / cs * nt + (rem == 0 ? 0 : rem == 1 ? (nt + cs - 1) / cs : nt);
+          for (int v = 0; v < units; v++) {
+            int mt0 = 0, ct0 = 0, split0 = 0;
+            for (int r = 0; r < cs; r++) {
+              int mt, ct, split;
+              mm_sm90_prefill_unit(tiles, cs, nt, small, r, v, &mt, &ct, &split);
+              if (r == 0) mt0 = mt, ct0 = ct, split0 = split;
+              bad += mt < 0 || ct < 0 || split != split0;
+              if (split)
+                bad += mt < tiles - ns || mt >= tiles || mt != mt0 || ct != ct0 + r;
+              else
+                bad += ct != ct0 || mt != mt0 + r || mt >= (ns ? tiles - ns : tiles + cs);
+              if (mt < tiles && ct < nt) count[mt * nt + ct]++;
+              /* raster groups, and the old order where one group holds all */
+              if (!split && v < sets * nt) {
+                bad += mt / cs / g != v / (g * nt);
+                if (sets <= g) bad += mt != cs * (v % sets) + r || ct != v / sets;
+              }
             }
           }
+          for (int i = 0; i < tiles * nt; i++)
+            if (count[i] != 1) {
+              fprintf(stderr, "# cs %d nt %d tiles %d small %d: pair (%d, %d) computed %d times\n",
+                      cs, nt, tiles, small, i / nt, i % nt, count[i]);
+              bad++;
+            }
+          free(count);
         }
-        for (int i = 0; i < tiles * nt; i++)
-          if (count[i] != 1) {
-            fprintf(stderr, "# cs %d nt %d tiles %d: pair (%d, %d) computed %d times\n", cs, nt,
-                    tiles, i / nt, i % nt, count[i]);
-            bad++;
-          }
-        free(count);
-      }
   CHECK_EQ_INT(bad, 0);
   /* the shapes the kernels run: GLM-5's L1 (16 column tiles of 256) and L2
-   * (48 of 128) in clusters of 2; 1024 rows per expert keep their order */
-  CHECK_EQ_INT(mm_sm90_prefill_units(16, 2, 16), 8 * 16);
-  CHECK_EQ_INT(mm_sm90_prefill_units(17, 2, 16), 8 * 16 + 8);
-  CHECK_EQ_INT(mm_sm90_prefill_units(5, 2, 48), 2 * 48 + 24);
+   * (48 of 128) in clusters of 2; 1024 rows per expert keep their order; an
+   * expert of 16 tiles whose last is small splits its last two */
+  CHECK_EQ_INT(mm_sm90_prefill_units(16, 2, 16, 0), 8 * 16);
+  CHECK_EQ_INT(mm_sm90_prefill_units(16, 2, 16, 1), 7 * 16 + 2 * 8);
+  CHECK_EQ_INT(mm_sm90_prefill_units(17, 2, 16, 0), 8 * 16 + 8);
+  CHECK_EQ_INT(mm_sm90_prefill_units(17, 2, 16, 1), 8 * 16 + 8);
+  CHECK_EQ_INT(mm_sm90_prefill_units(5, 2, 48, 1), 2 * 48 + 24);
 }
 
 static void test_gate_up_order(void) {
