@@ -50,6 +50,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -640,7 +641,7 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah,
+               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah, int max_ctas,
                cudaStream_t st) {
   using G = PfCfg<GEMM>;
   auto kern = prefill_kernel<GEMM, CS>;
@@ -651,6 +652,8 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   cluster_launch_config(&cfg, &at, CS, 384, G::kBytes, st);
   int ctas = 0;
   MM_TRY((grid_size<GEMM, CS>(cfg, &ctas)));
+  /* a cap (tests): whole clusters, at least one */
+  if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas < CS ? CS : max_ctas / CS * CS;
   cfg.gridDim = dim3(ctas);
   MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah));
   return NULL;
@@ -679,6 +682,9 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
                "sm90 expert compute: pool x and out must be 16-byte aligned");
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   const int chunk = mm_sm90_prefill_chunk(L), chunks = (L->E + chunk - 1) / chunk;
+  /* fewer CTAs, so that each walks many units (tests; docs/CONFIG.md) */
+  const char *grid = getenv("MEGAMOE_SM90_GRID");
+  const int max_ctas = grid ? atoi(grid) : 0;
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
   CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h;
@@ -731,14 +737,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, st)));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, max_ctas, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, st)));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, max_ctas, st)));
   }
   return NULL;
 }
