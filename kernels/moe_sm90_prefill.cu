@@ -386,12 +386,16 @@ __global__ void __launch_bounds__(384, 1)
     next_stage();
     return s;
   };
+  /* the peers' empty barriers of stage s */
+  auto peers_at = [&](int s, uint32_t(&peer)[CS - 1]) {
+#pragma unroll
+    for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * s;
+  };
   /* the promotion of the block at stage s (its group in acc), kPending
    * groups left in flight; sc0: the warpgroup's scales in stage 0's slot */
   auto promote = [&](float(&acc)[64], int s, const float *sc0, auto pending) {
     uint32_t peer[CS - 1];
-#pragma unroll
-    for (int i = 0; i < CS - 1; i++) peer[i] = peer_empty[i] + 8 * s;
+    peers_at(s, peer);
     const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
@@ -409,8 +413,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < G::kPasses * KB; i++) {
         mbar_wait(&full[stage], phase);
         uint32_t peer[CS - 1];
-#pragma unroll
-        for (int j = 0; j < CS - 1; j++) peer[j] = peer_empty[j] + 8 * stage;
+        peers_at(stage, peer);
         ss_release<CS>(&empty[stage], peer);
         next_stage();
       }
