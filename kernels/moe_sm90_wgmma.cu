@@ -12,7 +12,8 @@
  * m64 tiles: 256 weight rows x one token tile per work unit. Work units
  * (expert, 256-row block, token tile) are walked round-robin by a persistent
  * grid, token tile fastest so that neighbouring CTAs share weights in L2 and
- * a skewed expert spreads over every SM. The producer alone walks them and
+ * a skewed expert spreads over every SM; with mixed tiles the experts of
+ * the wider tiles are walked first (Kern::setup_walk). The producer alone walks them and
  * publishes each unit beside the stage of its first K block (unit_pack); the
  * consumers read it there (version 12: 2-7% faster than every consumer
  * thread walking the schedule, whose integer divisions and global loads of
@@ -199,19 +200,21 @@ struct Cfg {
   static constexpr int kStage = kA + kB + kS;
 };
 
-/* CPS CTAs (1 or 2) share an SM. */
-template <int MODE, int GEMM, int BN, int CPS>
+/* CPS CTAs (1 or 2) share an SM. MIXED: the kernel's walk has an expert
+ * order of its own (Kern::setup_walk); the others walk in expert order. */
+template <int MODE, int GEMM, int BN, int CPS, bool MIXED>
 struct Smem {
   static constexpr int kSmemLimit = CPS == 1 ? kSmemLimit1 : kSmemLimit2;
   using C = Cfg<MODE, BN>;
   /* L1: BN tokens x 128 channels; L2: BN tokens x the output columns of
    * one pass (256, or 128 per half with 128-wide tiles), BF16 */
+  static constexpr int kOrder = MIXED ? kMaxExperts : 0; /* the walk's expert order */
   static constexpr int kStaging =
       GEMM == 1 ? BN * 128 * (C::kF16 ? 2 : 1) : BN * (BN >= 128 ? 128 : 256) * 2;
   static constexpr int kFixed = 1024 /* align slack */ + 128 /* table alignment */ +
                                 MM_SM90_LUT_ENTRIES * 8 +
                                 4 * kConsumers * BN * 4 /* amax */ + kStaging +
-                                4 * (kMaxExperts + 1) + 16 * 8 /* barriers */ +
+                                4 * (kMaxExperts + 1) + kOrder + 16 * 8 /* barriers */ +
                                 8 * 10 /* unit descriptors */;
   static constexpr int kStages0 = (kSmemLimit - kFixed) / C::kStage;
   static constexpr int kStages = kStages0 > 10 ? 10 : kStages0;
@@ -225,7 +228,8 @@ struct Smem {
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
   static constexpr int kOffStg = kOffRed + 4 * kConsumers * BN * 4;
   static constexpr int kOffSched = kOffStg + kStaging;
-  static constexpr int kOffBar = (kOffSched + 4 * (kMaxExperts + 1) + 7) / 8 * 8;
+  static constexpr int kOffOrder = kOffSched + 4 * (kMaxExperts + 1);
+  static constexpr int kOffBar = (kOffOrder + kOrder + 7) / 8 * 8;
   static constexpr int kOffUnit = kOffBar + 20 * 8; /* kStages x 8 bytes */
   static constexpr int kBytes = kOffUnit + 8 * kStages + 1024;
   static_assert(kStages >= 3, "too few pipeline stages");
@@ -241,6 +245,8 @@ struct Params {
   const int32_t *offsets;
   int E, rows, K, Mp, M;
   int mixed;             /* large tiles (Kern::kBig) for experts with more than BS rows */
+  int wide_first;        /* mixed tiles: walk the experts of the widest tiles
+                            first (Kern::setup_walk); 0: in expert order */
   int width_class;       /* 0: every expert; 1 / 2: only those that take
                             the narrow / wide tiles of a launch pair */
   int wide_above;        /* a pair's wide tiles: 0: the 160-wide ones where
@@ -466,19 +472,22 @@ __device__ __forceinline__ bool in_class(int m, int width_class, int wide_above)
   return width_class == 0 || (width_class == 2) == wide;
 }
 
-/* Walks this CTA's work units: returns false when done. */
+/* Walks this CTA's work units: returns false when done. The walk goes
+ * through the experts in the order `order` gives (Kern::setup_walk): sched[i]
+ * is the first unit of expert order[i]; *pos, the walk's place in it. */
 template <int BS, bool kMixed, int BIG, int MID>
-__device__ __forceinline__ bool next_unit(const int *sched, const int32_t *off, int E, int mixed,
-                                          int u, int *e, Unit *out) {
+__device__ __forceinline__ bool next_unit(const int *sched, const uint8_t *order, const int32_t *off,
+                                          int E, int mixed, int u, int *pos, Unit *out) {
   if (u >= sched[E]) return false;
-  while (sched[*e + 1] <= u) (*e)++;
-  const int m = off[*e + 1] - off[*e], bn = unit_tile<BS, kMixed, BIG, MID>(m, mixed), ntc = (m + bn - 1) / bn;
-  const int local = u - sched[*e];
-  out->e = *e;
+  while (sched[*pos + 1] <= u) (*pos)++;
+  const int e = kMixed ? order[*pos] : *pos;
+  const int m = off[e + 1] - off[e], bn = unit_tile<BS, kMixed, BIG, MID>(m, mixed), ntc = (m + bn - 1) / bn;
+  const int local = u - sched[*pos];
+  out->e = e;
   out->rb = local / ntc;
   const int nt = local % ntc;
   out->bn = bn;
-  out->tok0 = off[*e] + nt * bn;
+  out->tok0 = off[e] + nt * bn;
   out->valid = min(bn, m - nt * bn);
   return true;
 }
@@ -552,7 +561,7 @@ struct Kern {
   static constexpr int kMid =
       !kMixed ? 0 : BS == 32 && (MODE == 2 || MODE == 4) ? 48 : BS == 16 && MODE == 4 ? 32 : 0;
   static constexpr int kBNMax = kMixed ? kBig : BS;
-  using S = Smem<MODE, GEMM, kBNMax, CPS>;
+  using S = Smem<MODE, GEMM, kBNMax, CPS, kMixed>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
   using W = Warps<CPS>;
   /* 128-wide token tiles (prefill): two 128-row halves of the unit one
@@ -730,6 +739,52 @@ struct Kern {
     tma_2d(sm + S::kOffS + stage * C::kS, ms, un.tok0 & ~3, kb, &full[stage]);
   }
 
+  /* The walk's expert order and the first unit of each (warp 0, before the
+   * block's first barrier): order[i] is the i-th expert walked, sched[i] its
+   * first unit, sched[E] the units of the launch. In the mixed kernels the
+   * experts of the large tiles come first, then the middle ones, then the
+   * small (p.wide_first): the round-robin walk deals out the costlier units
+   * first, so that every CTA's count of them differs by at most one and the
+   * small units go on from the CTAs that got fewer. In expert order, routed
+   * loads left some CTAs two or three large units more than others, about
+   * four units of the GEMM each (docs/PERF.md, version 29). Within a width
+   * the expert order stays, and so does each expert's own unit order. */
+  static __device__ __forceinline__ void setup_walk(const Params &p, int *sched, uint8_t *order) {
+    const int lane = threadIdx.x, E = p.E, RB = p.rows / kRowsCta;
+    int placed = 0;
+    for (int rank = 0; rank < 3; rank++) /* large, middle, small */
+      for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        int n = 0, r = 2;
+        if (e < E) {
+          const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, kBig, kMid>(m, p.mixed);
+          n = in_class(m, p.width_class, p.wide_above) ? (m + bn - 1) / bn * RB : 0;
+          if (p.wide_first && bn != BS) r = bn == kBig ? 0 : 1;
+        }
+        const uint32_t mine = __ballot_sync(0xffffffffu, e < E && r == rank);
+        if (e < E && r == rank) {
+          const int i = placed + __popc(mine & ((1u << lane) - 1u));
+          if (kMixed) order[i] = (uint8_t)e; /* the others' order is the experts' own */
+          sched[i] = n; /* the count, until the scan below */
+        }
+        placed += __popc(mine);
+      }
+    __syncwarp();
+    int carry = 0;
+    for (int i0 = 0; i0 < E; i0 += 32) {
+      const int i = i0 + lane, n = i < E ? sched[i] : 0;
+      int x = n; /* inclusive scan over the lanes */
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+      }
+      if (i < E) sched[i] = carry + x - n;
+      carry += __shfl_sync(0xffffffffu, x, 31);
+    }
+    if (lane == 0) sched[E] = carry;
+  }
+
   /* The kernel is launched as a programmatic dependent of the previous one
    * on the stream (the prep kernel before L1, L1 before L2): it may start
    * while that one finishes. Only the token side comes from it, so the
@@ -743,30 +798,32 @@ struct Kern {
    * first launch's last units. It waits for the first launch at its end, so
    * that the next kernel, which waits for it, sees both launches' results. */
   static __device__ __forceinline__ void produce(const Params &p, uint8_t *sm, const int *sched,
-                                                 const TokenMaps &tm) {
+                                                 const uint8_t *order, const TokenMaps &tm) {
     using C = CM;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     uint2 *units = (uint2 *)(sm + S::kOffUnit);
     const int KB = p.K / 128;
     /* early: first-pass stages without their tokens (-1: none) */
-    int stage = 0, e = 0, early = p.pair_role == 2 ? -1 : 0;
+    int stage = 0, pos = 0, early = p.pair_role == 2 ? -1 : 0;
     uint32_t phase = 0;
     Unit un;
     /* token copies of the first `early` stages, walked again from the start */
     auto catch_up = [&]() {
       asm volatile("griddepcontrol.wait;" ::: "memory");
       if (p.pair_role == 1) asm volatile("griddepcontrol.launch_dependents;");
-      int e2 = 0, n = 0;
+      int pos2 = 0, n = 0;
       Unit u2;
       for (int u = blockIdx.x;
-           n < early && next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e2, &u2);
+           n < early &&
+           next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, u, &pos2, &u2);
            u += gridDim.x)
         for (int h = 0; h < kHalves && n < early; h++)
           for (int kb = 0; kb < KB && n < early; kb++, n++)
             load_tokens(sm, u2, kb, n, tm);
       early = -1;
     };
-    for (int u = blockIdx.x; next_unit<BS, kMixed, kBig, kMid>(sched, p.offsets, p.E, p.mixed, u, &e, &un);
+    for (int u = blockIdx.x;
+         next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, u, &pos, &un);
          u += gridDim.x) {
       const uint32_t tx = C::kRecs * kRecCopy + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       for (int h = 0; h < kHalves; h++) {
@@ -1408,8 +1465,8 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   uint64_t *full = (uint64_t *)(sm + S::kOffBar);
   uint64_t *empty = full + S::kStages;
   int *sched = (int *)(sm + S::kOffSched);
+  uint8_t *order = sm + S::kOffOrder;
   const int wg = threadIdx.x / 128;
-  const int E = p.E, RB = p.rows / kRowsCta;
   /* the next kernel (L2 after L1) may launch now: its CTAs take SMs as ours
    * leave and wait for our results in griddepcontrol.wait (the first of a
    * launch pair triggers later, Kern::produce) */
@@ -1422,27 +1479,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (threadIdx.x < 32) { /* sched[e]: first unit of expert e, a prefix sum over one warp */
-    const int lane = threadIdx.x;
-    int carry = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      int n = 0;
-      if (e < E) {
-        const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, K::kBig, K::kMid>(m, p.mixed);
-        n = in_class(m, p.width_class, p.wide_above) ? (m + bn - 1) / bn * RB : 0;
-      }
-      int x = n; /* inclusive scan over the lanes */
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-      }
-      if (e < E) sched[e] = carry + x - n;
-      carry += __shfl_sync(0xffffffffu, x, 31);
-    }
-    if (lane == 0) sched[E] = carry;
-  }
+  if (threadIdx.x < 32) K::setup_walk(p, sched, order);
   /* fold table: modes 1, 3, 4; in mode 1's records (modes 1, 4) only the
    * entries (k, 0), 8 bytes apart, padded with zeros to 32 (the compact
    * table, Kern::fold_entries) */
@@ -1474,7 +1511,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmBM) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tmSM) : "memory");
       }
-      K::produce(p, sm, sched, TokenMaps{&tmB, &tmS, &tmBL, &tmSL, &tmBM, &tmSM});
+      K::produce(p, sm, sched, order, TokenMaps{&tmB, &tmS, &tmBL, &tmSL, &tmBM, &tmSM});
     }
     return;
   }
@@ -1591,6 +1628,7 @@ struct Overrides {
   bool allow_mixed; /* large tiles for experts with more than BS rows, where
                        the kernel has them (Kern::kMixed, kBig) */
   int max_ctas;     /* tests: at most this many CTAs per launch (0: no cap) */
+  bool wide_first;  /* mixed tiles: the wide tiles' experts walked first */
 };
 
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
@@ -1726,6 +1764,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.out = pool->out;
   p.out_rows = pool->out_rows;
   p.mixed = mixed && o.allow_mixed;
+  p.wide_first = o.wide_first;
   /* L1 */
   p.mat_off = 0;
   p.rs = L->d_rs13;
@@ -1882,6 +1921,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   v = getenv("MEGAMOE_SM90_MIXED_TILES");
   Overrides o;
   o.allow_mixed = !(v && v[0] == '0');
+  v = getenv("MEGAMOE_SM90_WIDE_FIRST");
+  o.wide_first = !(v && v[0] == '0');
   /* fewer CTAs, so that each walks many units and reuses its ring */
   v = getenv("MEGAMOE_SM90_GRID");
   o.max_ctas = v ? atoi(v) : 0;
