@@ -130,7 +130,12 @@
  * the consumers stage (4-8% slower at M = 4096: the workers' instructions
  * and silu-table loads slow the consumers; the consumers' own epilogue
  * costs no measurable time), and a stage's records as one 5-D TMA tensor
- * copy (mode 1 at M = 256 4% slower, the rest within +-3%).
+ * copy (mode 1 at M = 256 4% slower, the rest within +-3%); version 29:
+ * 48-wide middle tiles in the FP8 modes' 32-wide kernels again (routed
+ * loads at M = 1024 2-4% faster, even ones 2-3% and skewed ones 4-5%
+ * slower), and a stage's records copied from one contiguous region (the
+ * same bytes permuted: no faster, so the records' layout is not what holds
+ * the decode-size rows).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
