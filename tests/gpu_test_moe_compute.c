@@ -596,8 +596,13 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * 1796017857 gives 9.0e-2 from 4 flips, identically before and after
        * the launch changes of the third stop. A broken decode of those
        * groups (zeroed, sign-flipped, wrapped) is O(1) here. */
-      const double tol = qg && s->extreme ? 0.25 : 5e-2;
       const int m3 = mode == MM_WMODE_G16_FP8;
+      /* Mode 3 on the QGMMA paths: its 0.7-1.8% of near-tie flips (check 1)
+       * move small cases further; seed 1796424815 gives 6.1e-2 on both
+       * QGMMA paths (E 40, M 159: 271 of 19968 codes a step away, every
+       * one at a near-tie, L2 from the GPU's intermediate 8e-4), where the
+       * other cases run at 2e-4 to 1.9e-2. */
+      const double tol = qg && s->extreme ? 0.25 : qg && m3 ? 0.1 : 5e-2;
       int nan_rows;
       double rel = rel_frob(got + (size_t)lead * H, (m3 ? ref_fold : ref) + (size_t)lead * H,
                             Mused - lead, H, &nan_rows);
