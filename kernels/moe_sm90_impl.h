@@ -4,6 +4,7 @@
 #define MM_MOE_SM90_IMPL_H
 
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 /* status.h, qmat.h, formats.h are plain C headers */
 extern "C" {
@@ -47,6 +48,14 @@ struct mm_sm90_ws {
   size_t bytes;
   size_t base_bytes; /* without the prefill path's region */
 };
+
+/* MEGAMOE_SM90_GRID=N (tests; docs/CONFIG.md): at most N CTAs per kernel,
+ * so that each walks many work units and wraps its ring; 0: no cap. Both
+ * GEMM paths read it where they launch. */
+static inline int mm_sm90_grid_cap(void) {
+  const char *v = getenv("MEGAMOE_SM90_GRID");
+  return v ? atoi(v) : 0;
+}
 
 /* Experts per launch pair of layer L's prefill path. */
 static inline int mm_sm90_prefill_chunk(const mm_sm90_layer *L) {

@@ -50,7 +50,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -266,7 +265,7 @@ __global__ void __launch_bounds__(384, 1)
                          &un.split);
     const bool past = un.nt >= NT;
     un.nt = min(un.nt, NT - 1);
-    un.valid = past ? 0 : min(max(rend[cur] - a - mt * G::BM, 0), G::BM);
+    un.valid = past ? 0 : min(max(rows - mt * G::BM, 0), G::BM);
     un.row0 = un.valid > 0 ? a + mt * G::BM : a;
     return un;
   };
@@ -685,9 +684,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
                "sm90 expert compute: pool x and out must be 16-byte aligned");
   const int H = L->H, I = L->I, M = pool->num_rows_max, Mp = ws->Mp;
   const int chunk = mm_sm90_prefill_chunk(L), chunks = (L->E + chunk - 1) / chunk;
-  /* fewer CTAs, so that each walks many units (tests; docs/CONFIG.md) */
-  const char *grid = getenv("MEGAMOE_SM90_GRID");
-  const int max_ctas = grid ? atoi(grid) : 0;
+  const int max_ctas = mm_sm90_grid_cap();
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
   CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h;

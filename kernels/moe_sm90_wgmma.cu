@@ -1928,9 +1928,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   o.allow_mixed = !(v && v[0] == '0');
   v = getenv("MEGAMOE_SM90_WIDE_FIRST");
   o.wide_first = !(v && v[0] == '0');
-  /* fewer CTAs, so that each walks many units and reuses its ring */
-  v = getenv("MEGAMOE_SM90_GRID");
-  o.max_ctas = v ? atoi(v) : 0;
+  o.max_ctas = mm_sm90_grid_cap();
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
 #define MM_RUN_BN(m)                                                                   \
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
