@@ -40,7 +40,8 @@
  * 160-wide tiles decode one K block ahead (Kern::k_loop_ahead): the decode
  * of block kb + 1 runs beside block kb's promotion; in the FP8 modes' one-CTA
  * kernels the 16- and 32-wide tiles decode block kb + 1 beside block kb's
- * MMAs (Kern::k_loop_db). In modes 1 and 4 (mode 1's records), matrices
+ * MMAs and promote block kb beside block kb + 1's, in two accumulator sets
+ * (Kern::k_loop_db). In modes 1 and 4 (mode 1's records), matrices
  * whose references are all 0 (the packer's row anchor) run kernels that
  * promote without the reference multiply and its loads and copy the records
  * without the references (Kern's ONE, kRecCopy), at every tile width.
@@ -757,7 +758,8 @@ struct Kern {
   static __device__ __forceinline__ void setup_walk(const Params &p, int *sched, uint8_t *order) {
     const int lane = threadIdx.x, E = p.E, RB = p.rows / kRowsCta;
     int placed = 0;
-    for (int rank = 0; rank < 3; rank++) /* large, middle, small */
+    /* without wide-first ranks every expert is rank 2: one pass */
+    for (int rank = kMixed && p.wide_first ? 0 : 2; rank < 3; rank++) /* large, middle, small */
       for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
         int n = 0, r = 2;
@@ -1003,14 +1005,21 @@ struct Kern {
   }
 
   /* The K loop of one 16- or 32-wide tile in the FP8 modes with one CTA
-   * per SM, double-buffered: block kb + 1's records are fetched and decoded
-   * into the second A buffer set while block kb's MMAs run, then block kb is
-   * released and promoted. The chunked loop (Kern::consume) decodes each
-   * chunk just before its MMA, so a warpgroup's decode and its own MMAs
-   * never overlap. Mode 1 2-3% faster on even loads at M = 640-1024 (mode 3
-   * about 2%), routed and skewed loads equal or 1-2% faster (docs/PERF.md,
-   * version 14). The mixed kernels' 64-wide tiles keep the chunked loop
-   * (version 11 measured them 5-6% slower double-buffered). */
+   * per SM, double-buffered, with two accumulator sets: block kb + 1's
+   * records are fetched and decoded into the second A buffer set while block
+   * kb's MMAs run; block kb + 1's MMAs then issue at once, and block kb
+   * retires, is promoted and block kb + 2 decoded beside them. Two blocks per
+   * trip, so that the buffer and accumulator indices are constants and no
+   * MMA group is in flight across the loop's back edge (with one there,
+   * ptxas serialized every MMA, C7514: docs/PERF.md, version 29): the second
+   * block's promotion waits for its MMAs. The chunked loop (Kern::consume)
+   * decodes each chunk just before its MMA, so a warpgroup's decode and its
+   * own MMAs never overlap. Against the chunked loop, one accumulator set:
+   * mode 1 2-3% faster on even loads at M = 640-1024 (mode 3 about 2%),
+   * routed and skewed loads equal or 1-2% faster (version 14); two sets: mode
+   * 1 another 2% at M = 768-1024 even, mode 3 equal (version 30). The mixed
+   * kernels' 64-wide tiles keep the chunked loop (version 11 measured them
+   * 5-6% slower double-buffered). */
   template <int BN>
   static __device__ __forceinline__ void k_loop_db(const Params &p, uint8_t *sm, const Unit &un,
                                                    int c, int &stage, uint32_t &phase,
@@ -1026,7 +1035,7 @@ struct Kern {
     const int KB = p.K / 128;
     uint32_t a[2][4][TPW][2][4]; /* [buffer][chunk][tile][step][register]; step 0 only */
     float sx[2][NC], sw[2][TPW][2];
-    /* block at stage st into buffer b: token scales, references, A registers */
+    float acc2[TPW][BN / 2]; /* the second accumulator set (odd blocks) */
     auto fetch = [&](int st, int b) {
       const uint8_t *sA = sm + S::kOffA + st * CM::kA + (TPW * c) * C::kRec;
       const float *sS = (const float *)(sm + S::kOffS + st * CM::kS) + (un.tok0 & 3);
@@ -1054,38 +1063,58 @@ struct Kern {
           }
       }
     };
+    /* buffer b's MMAs on the token tile of stage st into d */
+    auto issue = [&](int st, int b, float (&d)[TPW][BN / 2]) {
+      const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + st * CM::kB));
+#pragma unroll
+      for (int j = 0; j < TPW; j++) fence_acc(d[j]);
+      wg_fence();
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++)
+#pragma unroll
+        for (int j = 0; j < TPW; j++)
+          mma<true, BN>(d[j], a[b][ch][j][0][0], a[b][ch][j][0][1], a[b][ch][j][0][2],
+                        a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+      wg_commit();
+    };
     mbar_wait(&full[stage], phase);
     fetch(stage, 0);
 #pragma unroll 1
-    for (int kb = 0; kb < KB; kb += 2) {
-      /* two blocks per trip, so that the buffer index is a constant */
-#pragma unroll
-      for (int b = 0; b < 2; b++) {
-        if (b == 1 && kb + 1 >= KB) break;
-        const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+    for (int kb = 0; kb < KB; kb += 2) { /* block kb in buffer 0, no MMA in flight */
+      int st1 = stage;
+      uint32_t ph1 = phase;
+      advance(st1, ph1);
+      issue(stage, 0, acc);
+      if (kb + 1 < KB) {
+        mbar_wait(&full[st1], ph1);
+        fetch(st1, 1);
+        issue(st1, 1, acc2);
+        wg_wait<1>();
 #pragma unroll
         for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        wg_fence();
+        release_stage(empty, stage, phase); /* block kb's; to st1 */
 #pragma unroll
-        for (int ch = 0; ch < 4; ch++)
-#pragma unroll
-          for (int j = 0; j < TPW; j++)
-            mma<true, BN>(acc[j], a[b][ch][j][0][0], a[b][ch][j][0][1], a[b][ch][j][0][2],
-                          a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
-        wg_commit();
-        int st2 = stage;
-        uint32_t ph2 = phase;
+        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[0], sw[0][j]);
+        int st2 = st1;
+        uint32_t ph2 = ph1;
         advance(st2, ph2);
-        if (kb + b + 1 < KB) { /* the next block beside this one's MMAs */
+        if (kb + 2 < KB) {
           mbar_wait(&full[st2], ph2);
-          fetch(st2, b ^ 1);
+          fetch(st2, 0);
         }
         wg_wait<0>();
 #pragma unroll
-        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-        release_stage(empty, stage, phase); /* to st2, ph2 */
+        for (int j = 0; j < TPW; j++) fence_acc(acc2[j]);
+        release_stage(empty, stage, phase); /* block kb + 1's; to st2 */
 #pragma unroll
-        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[b], sw[b][j]);
+        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc2[j], sx[1], sw[1][j]);
+      } else {
+        wg_wait<0>();
+#pragma unroll
+        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        release_stage(empty, stage, phase);
+#pragma unroll
+        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[0], sw[0][j]);
       }
     }
   }
