@@ -136,7 +136,10 @@
  * loads at M = 1024 2-4% faster, even ones 2-3% and skewed ones 4-5%
  * slower), and a stage's records copied from one contiguous region (the
  * same bytes permuted: no faster, so the records' layout is not what holds
- * the decode-size rows).
+ * the decode-size rows); version 30: two accumulator sets in the F16
+ * modes' chunked 16-48-wide loop (modes 2 and 4 0-3% slower), and the FP8
+ * loop's trips of four blocks as one loop with a partial last trip (it
+ * spilled 152-232 bytes; not run).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
