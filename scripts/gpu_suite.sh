@@ -54,7 +54,13 @@ run_test() {
   bad=$(grep -c '^not ok' "$log")
   skip=$(grep -c '# SKIP' "$log")
   row "$name" "rc=$rc ok=$okc not_ok=$bad skip=$skip ${secs}s"
-  [ "$bad" -gt 0 ] || [ $rc -ne 0 ] && grep -E '^(not ok|#)' "$log" | head -20
+  if [ "$bad" -gt 0 ] || [ $rc -ne 0 ]; then
+    grep -E '^(not ok|#)' "$log" | head -20
+    # the seed and the first failure in the summary too: the summary is
+    # what a caller reading only the output's tail sees, and the log may
+    # not come back from the GPU machine
+    row "  $(grep -m1 '^# seed' "$log" | cut -c3-)" "$(grep -m1 -E '^not ok|CHECK' "$log" | cut -c1-100)"
+  fi
 }
 if [[ " $steps " == *" tests "* ]]; then
   for t in "$pack"/tests/${GPU_SUITE_TESTS:-gpu_test_*}; do
