@@ -68,11 +68,12 @@ typedef struct mm_expert_pool {
 } mm_expert_pool;
 /* Aliasing: `out` is scratch during a compute call. The F16-MMA modes (2, 4)
  * stage their F16 copy of the pool rows [offsets[0], offsets[E_loc]) there
- * (in pool order) before L2 writes the results, so `out` must not alias x,
+ * (in pool order), mode 3 on the WGMMA path an FP8 copy in its K order
+ * (its first H bytes of each row), before L2 writes the results, so `out` must not alias x,
  * x_scale, row_weight, out_rows, the offsets or the workspace, and nothing
  * else may read or write it until the call's work on the stream is done.
  * Written rows: out_rows[p] (row p without a map) for every pool row p in
- * [offsets[0], offsets[E_loc]), and, in modes 2 and 4, the staging rows
+ * [offsets[0], offsets[E_loc]), and, in modes 2, 3 and 4, the staging rows
  * [offsets[0], offsets[E_loc]) themselves; no others. The WGMMA path needs x
  * and out 16-byte aligned. */
 

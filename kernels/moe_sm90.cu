@@ -337,9 +337,16 @@ extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_ro
   if (ce == cudaSuccess)
     ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
   if (ce == cudaSuccess) {
-    for (size_t i = 0; m2 && i < n; i++) /* back to column order (the F16 modes: mm_sm90_kperm) */
+    for (size_t i = 0; m2 && i < n; i++) /* back to column order (mm_sm90_kperm) */
       act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(
           h[i / I * I + (size_t)mm_sm90_kperm_pos(L->mode, (int)(i % I))])));
+    if (!m2 && L->mode == MM_WMODE_G16_FP8) { /* mode 3's K order, every path's */
+      uint8_t row[128];
+      for (size_t b = 0; b < n; b += 128) {
+        memcpy(row, act + b, 128);
+        for (int k = 0; k < 128; k++) act[b + k] = row[mm_sm90_kperm_pos(L->mode, k)];
+      }
+    }
     for (int r = 0; r < rows; r++)
       for (int b = 0; b < KB; b++) scales[(size_t)r * KB + b] = st[(size_t)b * w.Mp + r];
   }
@@ -446,8 +453,8 @@ __global__ void __launch_bounds__(128) simt_l1(mm_sm90_layer L, mm_expert_pool P
   if (mm_sm90_f16_mma(L.mode)) { /* modes 2, 4: in the F16 K order of its L2 (mm_sm90_kperm) */
     __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)q, __NV_E4M3);
     ((uint16_t *)W.act)[(size_t)row * I + mm_sm90_kperm_pos(L.mode, ch)] = h.x;
-  } else {
-    W.act[(size_t)row * I + ch] = q;
+  } else { /* modes 1 and 3: in the K order of their L2 (mode 1's is the identity) */
+    W.act[(size_t)row * I + mm_sm90_kperm_pos(L.mode, ch)] = q;
   }
   if (threadIdx.x == 0) W.as_t[(size_t)blockIdx.y * W.Mp + row] = amax / 448.0f;
 }

@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(384, 1)
           const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
           const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
                                ((size_t)tile * KB + kb0) * RecFmt<MODE>::kRec;
-          decode_record_run<MODE>(rec, kb0, min(KB, kb0 + 16), &tw, dcur * p.N + 64 * tile,
-                                  sm + G::kOffLut, bufs, n);
+          decode_record_run<MODE, GEMM == 1>(rec, kb0, min(KB, kb0 + 16), &tw,
+                                             dcur * p.N + 64 * tile, sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
         }
       };
@@ -555,6 +555,7 @@ __global__ void __launch_bounds__(384, 1)
           named_sync(1 + c, 128); /* the stash becomes the codes' staging */
           /* 64 rows x 128 channels; row r's 16-byte chunk j at j ^ (r % 8) */
           auto chunk = [&](int r, int j) { return stg + r * 128 + ((j ^ (r & 7)) << 4); };
+          const bool kperm3 = p.mode == 3;
 #pragma unroll
           for (int rr = 0; rr < 2; rr++) {
             const int row = r0 + 8 * rr;
@@ -564,11 +565,15 @@ __global__ void __launch_bounds__(384, 1)
               p.as_t[(size_t)un.nt * p.Mp + un.row0 + aoff + row] = mx / 448.0f;
 #pragma unroll
             for (int m = 0; m < 8; m++) {
-              const int in = 8 * (m & 1) + 2 * q;
+              /* channels 16 (m / 2) + 8 (m % 2) + 2q, + 1 (and 64 on), at
+               * their mm_sm90_kperm positions in mode 3 (its L2's K order,
+               * the WGMMA kernels' too), else in place */
+              const int ck = kperm3 ? 2 * (m >> 2) + (q >> 1) : m >> 1;
+              const int in = kperm3 ? 8 * ((m >> 1) & 1) + 4 * (m & 1) + 2 * (q & 1) : 8 * (m & 1) + 2 * q;
               const uint32_t c0 = to_e4m3x2(h0[16 * rr + 2 * m] * inv, h0[16 * rr + 2 * m + 1] * inv),
                              c1 = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
-              *(uint16_t *)(chunk(row, m >> 1) + in) = (uint16_t)c0;
-              *(uint16_t *)(chunk(row, 4 + (m >> 1)) + in) = (uint16_t)c1;
+              *(uint16_t *)(chunk(row, ck) + in) = (uint16_t)c0;
+              *(uint16_t *)(chunk(row, 4 + ck) + in) = (uint16_t)c1;
             }
           }
           named_sync(1 + c, 128);

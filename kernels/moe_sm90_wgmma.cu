@@ -1,7 +1,8 @@
 /* moe_sm90_wgmma.cu -- the WGMMA product path of the sm90 fused expert
  * compute: two persistent, warp-specialized kernels per call (L1 with the
  * SwiGLU + FP8 requant epilogue, L2 with the BF16 epilogue) and a small prep
- * kernel (token scales transposed; mode 2: F16 copy of the activations,
+ * kernel (token scales transposed; modes 2 and 4: F16 copy of the
+ * activations, mode 3 an FP8 one, in the mode's K order (mm_sm90_kperm),
  * written into the pool's output buffer, which L2 overwrites afterwards).
  *
  * Swap-AB: weights are the WGMMA A operand (64 rows per m64 tile, decoded from
@@ -657,8 +658,8 @@ struct Kern {
     return *(const uint2 *)p;
   }
   /* Fold-table entries (modes 1, 3, 4) of chunk ch of a row for the code
-   * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both in
-   * mode 1's records, two in mode 3's. Mode 1's records index the compact
+   * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both (mode
+   * 3's words hold one 16-group's columns in its K order). Mode 1's records index the compact
    * table (entry k at byte 8k, 256-aligned): one prmt puts the scale byte in
    * the low byte of the table's address, and the load takes that address as
    * is, without the shift-and-add of an index (modes 1 and 4 1-3% faster at
@@ -671,9 +672,11 @@ struct Kern {
       asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tlo.x), "=r"(tlo.y) : "r"(a));
       thi = tlo;
     } else {
+      /* mode 3: the word's 8 columns are one 16-group's, 2 ch + q / 2
+       * (mm_sm90_kperm): one entry for both halves (version 30; two before) */
       const uint32_t v = ch < 2 ? sb.x : sb.y;
-      tlo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1)))];
-      thi = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + 1))];
+      tlo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + ((threadIdx.x >> 1) & 1)))];
+      thi = tlo;
     }
   }
   /* Mode 2: the F16 scale pair of a row's k32 chunk ch (0..3), the scales
@@ -1577,10 +1580,10 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (K::kPingPong && c == 0) named_sync(K::kTurn, 128 * kConsumers);
 }
 
-/* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16 (in
- * their mm_sm90_kperm order). Rows outside [offsets[0], offsets[E]) are left
- * alone. */
-template <int F16> /* 0: scales only (FP8 modes); 2, 4: F16 copy in the mode's mm_sm90_kperm order */
+/* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16, mode
+ * 3 as FP8 (in their mm_sm90_kperm order). Rows outside [offsets[0],
+ * offsets[E]) are left alone. */
+template <int F16> /* 0: scales only (mode 1); 2, 4: F16 copy, 3: FP8 copy, in the mode's mm_sm90_kperm order */
 __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
                             int Mp, float *xs_t, uint16_t *x16) {
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;"); /* L1 may launch */
@@ -1597,6 +1600,22 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
   }
   if (!F16) return;
   const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
+  if (F16 == 3) {
+    /* mm_sm90_kperm_pos, mode 3: the 4-column unit 2q + h of a 32-column
+     * block at unit position 4h + q; a thread moves one block (8 units).
+     * Row r's copy takes the first H bytes of out's (BF16) row r, so that
+     * only the pool's own rows are written. */
+    const int nb = H / 32;
+    for (long i = first; i < (long)(r1 - r0) * nb; i += stride) {
+      const size_t r = (size_t)r0 + (size_t)(i / nb), cb = (size_t)(i % nb);
+      const uint4 *src = (const uint4 *)(x + r * H + 32 * cb);
+      uint4 *dst = (uint4 *)((uint8_t *)x16 + r * 2 * H + 32 * cb);
+      const uint4 a = src[0], b = src[1];           /* units 0-3, 4-7 */
+      dst[0] = make_uint4(a.x, a.z, b.x, b.z); /* h = 0: units 0, 2, 4, 6 */
+      dst[1] = make_uint4(a.y, a.w, b.y, b.w); /* h = 1: units 1, 3, 5, 7 */
+    }
+    return;
+  }
   uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
   if (F16 == 2) {
     /* mm_sm90_kperm_pos, mode 2: columns 4q + 2t + j and 16 + 4q + 2t + j
@@ -1700,10 +1719,11 @@ mm_err *launch(const Params &p, const TileMaps &m, int max_ctas, cudaStream_t st
  * [K / 128, Mp]; box = BS rows, and big / mid (when not 0) for the mixed
  * kernels' large and middle tiles (Kern::kBig, kMid). */
 mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, int mid, const void *x,
-                       int K, int rows, const float *scales_t, int Mp) {
+                       int K, int rows, const float *scales_t, int Mp, uint64_t pitch = 0) {
   const CUtensorMapDataType dt = f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   const uint32_t box0 = f16 ? 64 : 128;
-  const uint64_t row_bytes = (f16 ? 2ull : 1ull) * (uint64_t)K;
+  /* bytes from one token row to the next: the row's own, or `pitch` */
+  const uint64_t row_bytes = pitch ? pitch : (f16 ? 2ull : 1ull) * (uint64_t)K;
   /* the token tile map of `width` rows and its scale map (Cfg::kSBoxN) */
   auto tile_and_scales = [&](CUtensorMap *b, CUtensorMap *s, int width) -> mm_err * {
     MM_TRY(make_map(b, dt, x, K, rows, row_bytes, box0, width, true));
@@ -1771,18 +1791,21 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
    * last row reads TMA zero fill. Rows of [0, M) outside the pool hold
    * whatever the caller left there; they only feed token columns that are
    * never stored. */
-  uint16_t *x16 = f16 ? pool->out : NULL;
+  /* Mode 3 reads an FP8 copy of x in its K order there too. */
+  constexpr bool kCopy = Cfg<MODE, BS>::kF16 || MODE == 3;
+  uint16_t *x16 = kCopy ? pool->out : NULL;
   TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
-  const void *x1 = f16 ? (const void *)x16 : (const void *)pool->x;
+  const void *x1 = kCopy ? (const void *)x16 : (const void *)pool->x;
   const int big = Kern<MODE, 1, BS, CPS>::kBig, mid = Kern<MODE, 1, BS, CPS>::kMid;
-  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, mid, x1, H, M, ws->xs_t, Mp));
+  const uint64_t x1_pitch = MODE == 3 ? 2ull * H : 0; /* mode 3's copy: BF16 rows of out */
+  MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, mid, x1, H, M, ws->xs_t, Mp, x1_pitch));
   MM_TRY(make_tile_maps(&m2, f16, mixed, BS, big, mid, ws->act, I, Mp, ws->as_t, Mp));
   if (BS2) {
-    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, 0, 0, x1, H, M, ws->xs_t, Mp));
+    MM_TRY(make_tile_maps(&m1w, f16, false, BS2, 0, 0, x1, H, M, ws->xs_t, Mp, x1_pitch));
     MM_TRY(make_tile_maps(&m2w, f16, false, BS2, 0, 0, ws->act, I, Mp, ws->as_t, Mp));
   }
   /* maps first: the prep kernel then runs back to back with L1 */
-  prep_kernel<f16 ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
+  prep_kernel<kCopy ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
       pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
   MM_CUDA_TRY(cudaGetLastError());
   Params p;

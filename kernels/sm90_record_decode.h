@@ -20,8 +20,8 @@ struct RecFmt {
 };
 
 /* 8 weights of one code word through the fold-table entries (lx, ly) of
- * nibbles 0-3 and (hx, hy) of nibbles 4-7 (one group's in mode 1, two in
- * mode 3): bytes 0-3 from nibbles 0-3 (magnitude bits 0-2) with their signs
+ * nibbles 0-3 and (hx, hy) of nibbles 4-7 (the same entry, the word's
+ * group's, in both modes' records): bytes 0-3 from nibbles 0-3 (magnitude bits 0-2) with their signs
  * at bits 8i + 7, bytes 4-7 from nibbles 4-7 with their signs at bits
  * 8i + 3: one byte permute per 4 weights. */
 __device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t lx, uint32_t ly, uint32_t hx,
@@ -33,10 +33,11 @@ __device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t lx, uint32_t ly, u
 
 /* A record's thread slot T = 32w + 4g + q owns rows 16w + g and 16w + g + 8
  * and the words u = 0..7 at byte (u / 4) * 2048 + 16 T + 4 (u % 4); word
- * u = 2s + rr is row 16w + g + 8rr, columns 32s + 4q .. + 3 (its low half)
- * and 32s + 16 + 4q .. + 3 (its high half), decoded through the fold-table
- * entry at the row's scale byte for 32-group s (mode 1) or 16-groups 2s
- * and 2s + 1 (mode 3). One slot's inputs: its 8 code words and its two
+ * u = 2s + rr is row 16w + g + 8rr, MMA positions 32s + 4q .. + 3 (its low
+ * half) and 32s + 16 + 4q .. + 3 (its high half), decoded through the
+ * fold-table entry at the row's scale byte for 32-group s (mode 1: the
+ * positions are the columns) or 16-group 2s + q / 2 (mode 3: columns 32s +
+ * 8q .. + 7 in its K order, mm_sm90_kperm). One slot's inputs: its 8 code words and its two
  * rows' scale bytes (sb[rr][0] in mode 1, both words in mode 3). */
 struct RecSlot {
   uint4 c0, c1;
@@ -65,7 +66,7 @@ __device__ __forceinline__ void load_record_slot(const uint8_t *rec, int T, RecS
  * quarter. lut: the fold table in shared memory, mode 1's compact one
  * (256-aligned) or mode 3's whole one (read from global memory instead,
  * the prefill path's mode 3 ran 3-7% slower: docs/PERF.md, version 25). */
-template <int MODE>
+template <int MODE, bool NATURAL>
 __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, const uint8_t *lut,
                                                    uint8_t *tile, int row_base) {
   const int w = T / 32, g = (T % 32) / 4, q = T % 4;
@@ -73,24 +74,27 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
 #pragma unroll
   for (int u = 0; u < 8; u++) {
     const int s = u / 2, rr = u % 2;
-    uint32_t lx, ly, hx, hy, lo, hi;
+    uint32_t lx, ly, lo, hi;
     if (MODE == 1) {
       const uint32_t a = prmt(r.sb[rr][0], smem_u32(lut), 0x7650 | s); /* the entry's address */
       asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lx), "=r"(ly) : "r"(a));
-      hx = lx;
-      hy = ly;
     } else {
-      const uint32_t v = r.sb[rr][s / 2]; /* groups 2s, 2s + 1: bytes 2 (s % 2) and + 1 */
-      const uint32_t t = smem_u32(lut);
+      /* the word's 8 columns, 32s + 8q .. + 7 (mm_sm90_kperm), are 16-group
+       * 2s + q / 2's: byte 2 (s % 2) + q / 2 of the row's scale word */
+      const uint32_t v = r.sb[rr][s / 2];
       asm("ld.shared.v2.u32 {%0, %1}, [%2];"
-          : "=r"(lx), "=r"(ly) : "r"(t + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1)))));
-      asm("ld.shared.v2.u32 {%0, %1}, [%2];"
-          : "=r"(hx), "=r"(hy) : "r"(t + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1) + 1))));
+          : "=r"(lx), "=r"(ly) : "r"(smem_u32(lut) + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1) + q / 2))));
     }
-    rec_dec8(words[u], lx, ly, hx, hy, lo, hi);
-    const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128) + 4 * q;
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s) ^ g) << 4)), "r"(lo) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s + 1) ^ g) << 4)), "r"(hi) : "memory");
+    rec_dec8(words[u], lx, ly, lx, ly, lo, hi);
+    const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128);
+    if (MODE == 3 && NATURAL) { /* columns 32s + 8q .. + 7: chunk 2s + q / 2 */
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(row + (((2 * s + q / 2) ^ g) << 4) +
+                                                           8 * (q % 2)),
+                   "r"(lo), "r"(hi) : "memory");
+    } else { /* MMA positions 32s + 4q .. + 3 and 32s + 16 + 4q .. + 3 */
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s) ^ g) << 4) + 4 * q), "r"(lo) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(row + (((2 * s + 1) ^ g) << 4) + 4 * q), "r"(hi) : "memory");
+    }
   }
 }
 
@@ -101,8 +105,11 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
  * wrow + 32h of the workspace. The next half record's loads are in flight
  * during a decode. n counts the warp's half records (the tile parity) across
  * calls. On return lane 0 has waited for the stores to complete and fenced
- * them, so the caller may publish the rows. */
-template <int MODE>
+ * them, so the caller may publish the rows. NATURAL: the weights in column
+ * order (mode 3's GEMM 1, whose tokens are the pool's rows as they are),
+ * else in MMA position order (mode 3's GEMM 2, whose intermediate the L1
+ * epilogues write in mm_sm90_kperm order; mode 1, where both are one). */
+template <int MODE, bool NATURAL = false>
 __device__ __forceinline__ void decode_record_run(const uint8_t *rec0, int kb0, int kb1,
                                                   const CUtensorMap *tw, int wrow,
                                                   const uint8_t *lut, uint8_t *bufs, int &n) {
@@ -124,15 +131,15 @@ __device__ __forceinline__ void decode_record_run(const uint8_t *rec0, int kb0, 
         load_record_slot<MODE>(nrec, 64 * nh + lane, cur[0]);
         load_record_slot<MODE>(nrec, 64 * nh + lane + 32, cur[1]);
       }
-      decode_record_slot<MODE>(a0, 64 * h + lane, lut, buf, 32 * h);
-      decode_record_slot<MODE>(a1, 64 * h + lane + 32, lut, buf, 32 * h);
+      decode_record_slot<MODE, NATURAL>(a0, 64 * h + lane, lut, buf, 32 * h);
+      decode_record_slot<MODE, NATURAL>(a1, 64 * h + lane + 32, lut, buf, 32 * h);
     } else {
       /* each slot decoded from where it was loaded, then reloaded: with the
        * next loads beside copies of both slots (4 x 12 registers) the
        * decoder warps spilled at the producer warpgroup's 72 registers */
 #pragma unroll
       for (int i = 0; i < 2; i++) {
-        decode_record_slot<MODE>(cur[i], 64 * h + lane + 32 * i, lut, buf, 32 * h);
+        decode_record_slot<MODE, NATURAL>(cur[i], 64 * h + lane + 32 * i, lut, buf, 32 * h);
         if (more) load_record_slot<MODE>(nrec, 64 * nh + lane + 32 * i, cur[i]);
       }
     }

@@ -76,9 +76,9 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
   return (size_t)(rows / 64) * (size_t)(cols / 128) * mm_sm90_record_bytes(mode);
 }
 
-/* The F16 modes' K order inside each 32-column block: position p of the
- * F16 B operand (the activation copy, the intermediate) and of the A
- * fragments holds column mm_sm90_kperm_src(mode, p).
+/* The K order of modes 2, 3 and 4 inside each 32-column block: position p
+ * of the WGMMA B operand (the activation copy, the intermediate) and of the
+ * A fragments holds column mm_sm90_kperm_src(mode, p).
  *
  * Mode 2: the two F16 halves b of every A register hold a column of each
  * of the block's two 16-column groups (b = the group), so the scale pair of
@@ -98,11 +98,22 @@ MM_SM90_HD size_t mm_sm90_matrix_bytes(mm_weight_mode mode, int rows, int cols) 
  * the F16 B operand (the activation copy, the intermediate) holds column
  *   k = 16h + 4q + 2t + b   for   p = 16t + 8h + 2q + b,
  * a bit permutation of the 5-bit index (p bits t h q1 q0 b, k bits h q1 q0 t
- * b). The FP8 modes: the identity. */
+ * b).
+ *
+ * Mode 3 (FP8, 16-column groups): thread q's code word of a k32 step holds
+ * its positions 4q .. 4q + 3 (low half) and 16 + 4q .. + 3 (high half);
+ * position p = 16h + 4q + b holds column k = 8q + 4h + b, so that a word's
+ * 8 columns, 8q .. 8q + 7, are one group's (q / 2): one fold-table entry
+ * per word instead of one per half (p bits h q1 q0 b1 b0, k bits q1 q0 h b1
+ * b0). Mode 1 (one 32-column group per k32 step): the identity. */
 MM_SM90_HD int mm_sm90_kperm_src(mm_weight_mode mode, int p) {
   if (mode == MM_WMODE_G16_BF16_EXACT) {
     const int t = (p >> 4) & 1, j = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
     return (p & ~31) | (b << 4) | (q << 2) | (t << 1) | j;
+  }
+  if (mode == MM_WMODE_G16_FP8) {
+    const int h = (p >> 4) & 1, q = (p >> 2) & 3;
+    return (p & ~31) | (q << 3) | (h << 2) | (p & 3);
   }
   if (mode != MM_WMODE_G32_F16_EXACT) return p;
   const int t = (p >> 4) & 1, h = (p >> 3) & 1, q = (p >> 1) & 3, b = p & 1;
@@ -114,6 +125,10 @@ MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
     const int b = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, j = k & 1;
     return (k & ~31) | (t << 4) | (j << 3) | (q << 1) | b;
   }
+  if (mode == MM_WMODE_G16_FP8) {
+    const int q = (k >> 3) & 3, h = (k >> 2) & 1;
+    return (k & ~31) | (h << 4) | (q << 2) | (k & 3);
+  }
   if (mode != MM_WMODE_G32_F16_EXACT) return k;
   const int h = (k >> 4) & 1, q = (k >> 2) & 3, t = (k >> 1) & 1, b = k & 1;
   return (k & ~31) | (t << 4) | (h << 3) | (q << 1) | b;
@@ -124,8 +139,9 @@ MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
  * bit of the sign. Thread t = 32w + 4g + q of the warpgroup owns rows
  * 16w+g and 16w+g+8 (A fragment rows) and 8 words: word u at
  * (u/4)*2048 + t*16 + (u%4)*4.
- *  FP8 modes and mode 4 (k32 step s = kk/32): u = 2s + (row is the +8
- *    one); the word holds k = 4q+b (+16 for the high half h); element b
+ *  FP8 modes and mode 4 (k32 step s = kk/32, MMA position kp = kk, in
+ *    mode 3 mm_sm90_kperm_pos(mode, kk)): u = 2s + (row is
+ *    the +8 one); the word holds positions 4q+b (+16 for the high half h); element b
  *    of the low half: magnitude at 4b, sign at 8b+7; of the high half:
  *    16+4b, sign 8b+3
  *    (decode: prmt(lut, w & 0x7777) | (w & 0x80808080), and the same on
@@ -151,7 +167,9 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
     *mag_bit = 16 * hh + 3 * o;                        /* 0, 3, 6, 9 */
     *sign_bit = 16 * hh + ((0xFCED >> (4 * o)) & 15); /* 13, 14, 12, 15 */
   } else {
-    int s = kk >> 5, kq = kk & 31, h = kq >> 4, kr = kq & 15, b = kr & 3;
+    /* mode 4's records are mode 1's (its K order is the HGMMA's view of them) */
+    const int kp = mode == MM_WMODE_G16_FP8 ? mm_sm90_kperm_pos(mode, kk) : kk;
+    int s = kp >> 5, kq = kp & 31, h = kq >> 4, kr = kq & 15, b = kr & 3;
     q = kr >> 2;
     u = 2 * s + rr;
     *mag_bit = h ? 16 + 4 * b : 4 * b;

@@ -367,8 +367,10 @@ static void test_slot_bijection(void) {
         /* owner thread: 16-byte chunk index within its 2048-byte half */
         int t = (off % 2048) / 16, w = t / 32, g = (t % 32) / 4, q = t % 4;
         int rowok = lr == 16 * w + g || lr == 16 * w + g + 8;
-        /* mode 2: the F16 fragment's columns are positions of its K order */
-        int kq = mode == 2 ? (mm_sm90_kperm_pos((mm_weight_mode)mode, kk) % 8) / 2 : (kk % 16) / 4;
+        /* modes 2 and 3: the fragment's columns are positions of their K
+         * order (mode 4's records are mode 1's) */
+        const int kp = mode == 4 ? kk : mm_sm90_kperm_pos((mm_weight_mode)mode, kk);
+        int kq = mode == 2 ? (kp % 8) / 2 : (kp % 16) / 4;
         frag += !(rowok && kq == q);
       }
     CHECK_EQ_INT(dup, 0);
@@ -410,12 +412,11 @@ static void test_mode4_kperm(void) {
       }
   CHECK_EQ_INT(bad, 0);
   check_block_permutation(MM_WMODE_G32_F16_EXACT);
-  /* the identity for the FP8 modes */
-  for (int k = 0; k < 1024; k++)
-    for (int mode = 1; mode <= 3; mode += 2) {
-      CHECK_EQ_INT(mm_sm90_kperm_pos((mm_weight_mode)mode, k), k);
-      CHECK_EQ_INT(mm_sm90_kperm_src((mm_weight_mode)mode, k), k);
-    }
+  /* the identity for mode 1 */
+  for (int k = 0; k < 1024; k++) {
+    CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_FP8, k), k);
+    CHECK_EQ_INT(mm_sm90_kperm_src(MM_WMODE_G32_FP8, k), k);
+  }
   /* the first pairs: columns 0, 1 stay, 2, 3 go to the second k16 step */
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 2), 16);
   CHECK_EQ_INT(mm_sm90_kperm_pos(MM_WMODE_G32_F16_EXACT, 4), 2);
@@ -452,6 +453,43 @@ static void test_mode2_kperm(void) {
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 1), 8);  /* j = 1 */
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 2), 16); /* t = 1 */
   CHECK_EQ_INT(mm_sm90_kperm_pos(m2, 16), 1); /* the second group: the high half */
+}
+
+/* Mode 3's K order from the FP8 k32 A fragment: thread q's code word of a
+ * step holds positions 4q + b (low half) and 16 + 4q + b (high half). All
+ * 8 columns of a word must be one 16-group's, so that the decode takes one
+ * fold-table entry per word, and they must be the 8 consecutive columns
+ * 8q .. 8q + 7 (the prefill path's decoder stores a word's 8 bytes at
+ * once). Through the records: every word of a mode 3 record holds the
+ * columns of one group. */
+static void test_mode3_kperm(void) {
+  const mm_weight_mode m3 = MM_WMODE_G16_FP8;
+  int bad = 0;
+  for (int h = 0; h < 2; h++)
+    for (int q = 0; q < 4; q++)
+      for (int b = 0; b < 4; b++)
+        for (int blk = 0; blk < 4 * 128; blk += 32) {
+          const int pos = 16 * h + 4 * q + b, col = mm_sm90_kperm_src(m3, blk + pos) - blk;
+          bad += col != 8 * q + 4 * h + b;
+          bad += col / 16 != q / 2;
+          bad += mm_sm90_kperm_pos(m3, blk + col) != blk + pos;
+        }
+  CHECK_EQ_INT(bad, 0);
+  check_block_permutation(m3);
+  CHECK_EQ_INT(mm_sm90_kperm_pos(m3, 4), 16); /* column 4: thread 0's high half */
+  CHECK_EQ_INT(mm_sm90_kperm_pos(m3, 8), 4);  /* column 8: thread 1 */
+  static int group_of_word[MM_SM90_CODE_BYTES / 4];
+  for (int i = 0; i < MM_SM90_CODE_BYTES / 4; i++) group_of_word[i] = -1;
+  int mixed = 0;
+  for (int lr = 0; lr < 64; lr++)
+    for (int kk = 0; kk < 128; kk++) {
+      int off, mb, sb;
+      mm_sm90_code_slot(m3, lr, kk, &off, &mb, &sb);
+      const int gi = 64 * lr + mm_sm90_group_of(m3, kk);
+      if (group_of_word[off / 4] < 0) group_of_word[off / 4] = gi;
+      mixed += group_of_word[off / 4] != gi;
+    }
+  CHECK_EQ_INT(mixed, 0);
 }
 
 /* compute.mode x gran-k -> weight mode (the cuda backend's choice), and the
@@ -664,6 +702,7 @@ int main(void) {
   RUN(test_prefill_units);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
+  RUN(test_mode3_kperm);
   RUN(test_mode4_f16_high_bytes);
   RUN(test_weight_mode_selection);
   RUN(test_g32_exact_random);
