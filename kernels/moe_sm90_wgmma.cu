@@ -302,15 +302,14 @@ __device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
     default: return w & 0x8E008E00u;
   }
 }
-/* Mode 1/3/4 decode of one code word (8 weights) with its fold-table entries
- * tlo / thi (8 magnitude bytes each): lo = bytes of nibbles 0-3 (signs at
- * bits 8i + 7), hi = nibbles 4-7 (signs at 8i + 3), as the packers lay them
- * out (docs/LAYOUTS.md). */
-__device__ __forceinline__ void dec_fold(uint32_t word, uint2 tlo, uint2 thi, uint32_t &lo,
-                                         uint32_t &hi) {
+/* Mode 1/3/4 decode of one code word (8 weights) with its fold-table entry
+ * t (8 magnitude bytes): lo = bytes of nibbles 0-3 (signs at bits 8i + 7),
+ * hi = nibbles 4-7 (signs at 8i + 3), as the packers lay them out
+ * (docs/LAYOUTS.md). */
+__device__ __forceinline__ void dec_fold(uint32_t word, uint2 t, uint32_t &lo, uint32_t &hi) {
   const uint32_t sel = word & 0x77777777u;
-  lo = prmt(tlo.x, tlo.y, sel) | (word & 0x80808080u);
-  hi = prmt(thi.x, thi.y, sel >> 16) | ((word << 4) & 0x80808080u);
+  lo = prmt(t.x, t.y, sel) | (word & 0x80808080u);
+  hi = prmt(t.x, t.y, sel >> 16) | ((word << 4) & 0x80808080u);
 }
 __device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b));
@@ -657,27 +656,24 @@ struct Kern {
     if (CM::kG32) return make_uint2(*(const uint32_t *)p & 0xF8F8F8F8u, 0u);
     return *(const uint2 *)p;
   }
-  /* Fold-table entries (modes 1, 3, 4) of chunk ch of a row for the code
-   * word's nibbles 0-3 (tlo) and 4-7 (thi): one group scale for both (mode
-   * 3's words hold one 16-group's columns in its K order). Mode 1's records index the compact
-   * table (entry k at byte 8k, 256-aligned): one prmt puts the scale byte in
-   * the low byte of the table's address, and the load takes that address as
-   * is, without the shift-and-add of an index (modes 1 and 4 1-3% faster at
-   * M = 768-2048, docs/PERF.md version 11). Mode 3's byte extract is one
-   * prmt, zero-filled from the 0 operand. */
-  static __device__ __forceinline__ void fold_entries(const uint2 *lut, uint2 sb, int ch,
-                                                      uint2 &tlo, uint2 &thi) {
+  /* The fold-table entry (modes 1, 3, 4) of a row's code word in chunk ch:
+   * one group's scale for all 8 codes (mode 3's words hold one 16-group's
+   * columns in its K order). Mode 1's records index the compact table
+   * (entry k at byte 8k, 256-aligned): one prmt puts the scale byte in the
+   * low byte of the table's address, and the load takes that address as is,
+   * without the shift-and-add of an index (modes 1 and 4 1-3% faster at M =
+   * 768-2048, docs/PERF.md version 11). Mode 3's byte extract is one prmt,
+   * zero-filled from the 0 operand: group 2 ch + q / 2 (mm_sm90_kperm; two
+   * entries per word before version 30). */
+  static __device__ __forceinline__ uint2 fold_entry(const uint2 *lut, uint2 sb, int ch) {
     if (CM::kG32) {
+      uint2 t;
       const uint32_t a = prmt(sb.x, (uint32_t)smem_u32(lut), 0x7650 | ch);
-      asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(tlo.x), "=r"(tlo.y) : "r"(a));
-      thi = tlo;
-    } else {
-      /* mode 3: the word's 8 columns are one 16-group's, 2 ch + q / 2
-       * (mm_sm90_kperm): one entry for both halves (version 30; two before) */
-      const uint32_t v = ch < 2 ? sb.x : sb.y;
-      tlo = lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + ((threadIdx.x >> 1) & 1)))];
-      thi = tlo;
+      asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(t.x), "=r"(t.y) : "r"(a));
+      return t;
     }
+    const uint32_t v = ch < 2 ? sb.x : sb.y;
+    return lut[prmt(v, 0, 0x4440 | (2 * (ch & 1) + ((threadIdx.x >> 1) & 1)))];
   }
   /* Mode 2: the F16 scale pair of a row's k32 chunk ch (0..3), the scales
    * of its groups 2 ch and 2 ch + 1: every A register of the chunk holds a
@@ -690,10 +686,10 @@ struct Kern {
   }
   /* The A registers of one code word, row rr (0: r0, 1: r0 + 8) of a k32
    * chunk: FP8 registers rr and rr + 2 of a[0], or in the F16 modes those
-   * of the chunk's two k16 steps a[0], a[1]. tlo / thi: its fold-table
-   * entries (modes 1, 3, 4); sc: mode 2's scale pair of the chunk. */
-  static __device__ __forceinline__ void decode_word(uint32_t word, uint2 tlo, uint2 thi,
-                                                     uint32_t sc, int rr, uint32_t (&a)[2][4]) {
+   * of the chunk's two k16 steps a[0], a[1]. t: its fold-table entry
+   * (modes 1, 3, 4); sc: mode 2's scale pair of the chunk. */
+  static __device__ __forceinline__ void decode_word(uint32_t word, uint2 t, uint32_t sc, int rr,
+                                                     uint32_t (&a)[2][4]) {
     if (MODE == 2) {
       a[0][rr] = hmul2u(dec_h(word, 0), sc);
       a[0][rr + 2] = hmul2u(dec_h(word, 1), sc);
@@ -702,7 +698,7 @@ struct Kern {
       return;
     }
     uint32_t lo, hi;
-    dec_fold(word, tlo, thi, lo, hi);
+    dec_fold(word, t, lo, hi);
     if (MODE == 4) {
       /* each byte pair to an F16 pair: mode 4's table holds F16 high bytes
        * (the low bytes of its values are 0), so one byte permute with zeros
@@ -895,7 +891,9 @@ struct Kern {
     const int KB = p.K / 128;
     uint32_t a[4][2][4];   /* A fragments: [chunk][k16 step (F16)][register] */
     uint32_t wd[8];        /* the next block's code words */
-    uint2 tl[4][2][2];     /* its fold-table entries: [chunk][row][lo / hi] */
+    /* its fold-table entries: [chunk][row], twice: with one copy ptxas
+     * orders the 128/160-wide L1 kernels otherwise than the measured build */
+    uint2 tl[4][2][2];
     uint32_t sc[2][4];     /* mode 2: its scale pairs [row][chunk] */
     float sw[2] = {1.0f, 1.0f}, swn[2] = {1.0f, 1.0f}; /* references: in flight, next */
     auto fetch = [&](int st) {
@@ -912,14 +910,14 @@ struct Kern {
           for (int ch = 0; ch < 4; ch++) sc[hh][ch] = scale_pair(sb, ch);
         else
 #pragma unroll
-          for (int ch = 0; ch < 4; ch++) fold_entries(lut, sb, ch, tl[ch][hh][0], tl[ch][hh][1]);
+          for (int ch = 0; ch < 4; ch++) tl[ch][hh][0] = tl[ch][hh][1] = fold_entry(lut, sb, ch);
         if (!ONE && MODE != 2) swn[hh] = pow2_exact(*(const int16_t *)(R + C::kRefOff + 2 * r));
       }
     };
     auto decode = [&](int ch) {
 #pragma unroll
       for (int rr = 0; rr < 2; rr++)
-        decode_word(wd[2 * ch + rr], tl[ch][rr][0], tl[ch][rr][1], sc[rr][ch], rr, a[ch]);
+        decode_word(wd[2 * ch + rr], tl[ch][rr][0], sc[rr][ch], rr, a[ch]);
     };
     /* registers [8 part, 8 part + 8) of the block in the stage's tile */
     auto promote = [&](int part) {
@@ -1063,9 +1061,7 @@ struct Kern {
         for (int ch = 0; ch < 4; ch++)
 #pragma unroll
           for (int rr = 0; rr < 2; rr++) {
-            uint2 tlo, thi;
-            fold_entries(lut, sb[rr], ch, tlo, thi);
-            decode_word(wd[2 * ch + rr], tlo, thi, 0u, rr, a[b][ch][j]);
+            decode_word(wd[2 * ch + rr], fold_entry(lut, sb[rr], ch), 0u, rr, a[b][ch][j]);
           }
       }
     };
@@ -1262,13 +1258,13 @@ struct Kern {
             for (int j = 0; j < TPW; j++) {
   #pragma unroll
               for (int rr = 0; rr < 2; rr++) {
-                uint2 tlo = make_uint2(0u, 0u), thi = tlo;
+                uint2 t = make_uint2(0u, 0u);
                 uint32_t scp = 0;
                 if (MODE == 2)
                   scp = scale_of(j, rr, ch);
                 else
-                  fold_entries(lut, sb[j][rr], ch, tlo, thi);
-                decode_word(wd[j][2 * ch + rr], tlo, thi, scp, rr, a[buf][j]);
+                  t = fold_entry(lut, sb[j][rr], ch);
+                decode_word(wd[j][2 * ch + rr], t, scp, rr, a[buf][j]);
               }
             }
             if (kTurns && ch == 0) { /* my turn */

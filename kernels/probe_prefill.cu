@@ -36,10 +36,10 @@ __device__ __forceinline__ void probe_table(uint32_t d, uint32_t &tx, uint32_t &
 __device__ __forceinline__ void probe_dec32(uint4 c, uint32_t sb, uint4 *out) {
   uint32_t tx, ty, o[8];
   probe_table(sb & 3u, tx, ty);
-  rec_dec8(c.x, tx, ty, tx, ty, o[0], o[1]);
-  rec_dec8(c.y, tx, ty, tx, ty, o[2], o[3]);
-  rec_dec8(c.z, tx, ty, tx, ty, o[4], o[5]);
-  rec_dec8(c.w, tx, ty, tx, ty, o[6], o[7]);
+  rec_dec8(c.x, tx, ty, o[0], o[1]);
+  rec_dec8(c.y, tx, ty, o[2], o[3]);
+  rec_dec8(c.z, tx, ty, o[4], o[5]);
+  rec_dec8(c.w, tx, ty, o[6], o[7]);
   out[0] = make_uint4(o[0], o[1], o[2], o[3]);
   out[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }

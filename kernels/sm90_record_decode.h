@@ -19,16 +19,15 @@ struct RecFmt {
   static constexpr int kRec = MM_SM90_RECORD_BYTES(kScaleBytes, true);
 };
 
-/* 8 weights of one code word through the fold-table entries (lx, ly) of
- * nibbles 0-3 and (hx, hy) of nibbles 4-7 (the same entry, the word's
- * group's, in both modes' records): bytes 0-3 from nibbles 0-3 (magnitude bits 0-2) with their signs
- * at bits 8i + 7, bytes 4-7 from nibbles 4-7 with their signs at bits
- * 8i + 3: one byte permute per 4 weights. */
-__device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t lx, uint32_t ly, uint32_t hx,
-                                         uint32_t hy, uint32_t &lo, uint32_t &hi) {
+/* 8 weights of one code word through its group's fold-table entry (lx, ly):
+ * bytes 0-3 from nibbles 0-3 (magnitude bits 0-2) with their signs at bits
+ * 8i + 7, bytes 4-7 from nibbles 4-7 with their signs at bits 8i + 3: one
+ * byte permute per 4 weights. */
+__device__ __forceinline__ void rec_dec8(uint32_t w, uint32_t lx, uint32_t ly, uint32_t &lo,
+                                         uint32_t &hi) {
   const uint32_t sel = w & 0x77777777u;
   lo = prmt(lx, ly, sel) | (w & 0x80808080u);
-  hi = prmt(hx, hy, sel >> 16) | ((w << 4) & 0x80808080u);
+  hi = prmt(lx, ly, sel >> 16) | ((w << 4) & 0x80808080u);
 }
 
 /* A record's thread slot T = 32w + 4g + q owns rows 16w + g and 16w + g + 8
@@ -85,7 +84,7 @@ __device__ __forceinline__ void decode_record_slot(const RecSlot &r, int T, cons
       asm("ld.shared.v2.u32 {%0, %1}, [%2];"
           : "=r"(lx), "=r"(ly) : "r"(smem_u32(lut) + 8 * prmt(v, 0, 0x4440 | (2 * (s & 1) + q / 2))));
     }
-    rec_dec8(words[u], lx, ly, lx, ly, lo, hi);
+    rec_dec8(words[u], lx, ly, lo, hi);
     const uint32_t row = smem_u32(tile + (16 * w + g + 8 * rr - row_base) * 128);
     if (MODE == 3 && NATURAL) { /* columns 32s + 8q .. + 7: chunk 2s + q / 2 */
       asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(row + (((2 * s + q / 2) ^ g) << 4) +
