@@ -233,7 +233,7 @@ struct Smem {
   static constexpr int kOffA = kStages * C::kB;
   static constexpr int kOffS = kOffA + kStages * C::kA;
   /* 256-aligned: in mode 1's records a fold-table address is the table's
-   * address with its low byte replaced by the scale byte (Kern::fold_entries) */
+   * address with its low byte replaced by the scale byte (Kern::fold_entry) */
   static constexpr int kOffLut = (kOffS + kStages * C::kS + 255) / 256 * 256;
   static constexpr int kOffRed = kOffLut + MM_SM90_LUT_ENTRIES * 8;
   static constexpr int kOffStg = kOffRed + 4 * kConsumers * BN * 4;
@@ -1518,7 +1518,7 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (threadIdx.x < 32) K::setup_walk(p, sched, order);
   /* fold table: modes 1, 3, 4; in mode 1's records (modes 1, 4) only the
    * entries (k, 0), 8 bytes apart, padded with zeros to 32 (the compact
-   * table, Kern::fold_entries) */
+   * table, Kern::fold_entry) */
   constexpr bool kCompact = Cfg<MODE, BS>::kG32;
   constexpr int kLutWords = kCompact ? 64 : MM_SM90_LUT_ENTRIES * 2;
   static_assert(MM_SM90_LUT_ENTRIES <= 32 * 8, "compact table: 32 entries (k, 0)");
