@@ -325,32 +325,29 @@ extern "C" mm_err *mm_sm90_debug_intermediate(const mm_sm90_layer *L, int num_ro
   const int I = L->I, KB = I / 128;
   const int m2 = mm_sm90_f16_mma(L->mode);
   const size_t n = (size_t)rows * I;
-  uint16_t *h = m2 ? (uint16_t *)malloc(2 * n + 2) : NULL;
+  /* the intermediate as stored: FP8, or F16 holding the FP8 values */
+  uint8_t *raw = (uint8_t *)malloc((m2 ? 2 : 1) * n + 2);
   float *st = (float *)malloc(sizeof(float) * ((size_t)KB * w.Mp + 1));
-  if ((m2 && !h) || !st) {
-    free(h);
+  if (!raw || !st) {
+    free(raw);
     free(st);
     return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "debug intermediate: out of host memory");
   }
-  cudaError_t ce = m2 ? cudaMemcpy(h, w.act, 2 * n, cudaMemcpyDeviceToHost)
-                      : cudaMemcpy(act, w.act, n, cudaMemcpyDeviceToHost);
+  cudaError_t ce = cudaMemcpy(raw, w.act, (m2 ? 2 : 1) * n, cudaMemcpyDeviceToHost);
   if (ce == cudaSuccess)
     ce = cudaMemcpy(st, w.as_t, sizeof(float) * (size_t)KB * w.Mp, cudaMemcpyDeviceToHost);
   if (ce == cudaSuccess) {
-    for (size_t i = 0; m2 && i < n; i++) /* back to column order (mm_sm90_kperm) */
-      act[i] = mm_float_to_e4m3(__half2float(__ushort_as_half(
-          h[i / I * I + (size_t)mm_sm90_kperm_pos(L->mode, (int)(i % I))])));
-    if (!m2 && L->mode == MM_WMODE_G16_FP8) { /* mode 3's K order, every path's */
-      uint8_t row[128];
-      for (size_t b = 0; b < n; b += 128) {
-        memcpy(row, act + b, 128);
-        for (int k = 0; k < 128; k++) act[b + k] = row[mm_sm90_kperm_pos(L->mode, k)];
-      }
+    /* back to column order: every path stores it in the mode's K order
+     * (mm_sm90_kperm; mode 1's is the identity) */
+    for (size_t i = 0; i < n; i++) {
+      const size_t at = i / I * I + (size_t)mm_sm90_kperm_pos(L->mode, (int)(i % I));
+      act[i] = m2 ? mm_float_to_e4m3(__half2float(__ushort_as_half(((const uint16_t *)raw)[at])))
+                  : raw[at];
     }
     for (int r = 0; r < rows; r++)
       for (int b = 0; b < KB; b++) scales[(size_t)r * KB + b] = st[(size_t)b * w.Mp + r];
   }
-  free(h);
+  free(raw);
   free(st);
   if (ce != cudaSuccess)
     return mm_error(MEGAMOE_CODE_INTERNAL, "debug intermediate: %s", cudaGetErrorString(ce));

@@ -1040,6 +1040,7 @@ struct Kern {
     uint32_t a[2][4][TPW][2][4]; /* [buffer][chunk][tile][step][register]; step 0 only */
     float sx[2][NC], sw[2][TPW][2];
     float acc2[TPW][BN / 2]; /* the second accumulator set (odd blocks) */
+    /* block at stage st into buffer b: token scales, references, A registers */
     auto fetch = [&](int st, int b) {
       const uint8_t *sA = sm + S::kOffA + st * CM::kA + (TPW * c) * C::kRec;
       const float *sS = (const float *)(sm + S::kOffS + st * CM::kS) + (un.tok0 & 3);
@@ -1579,9 +1580,9 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
 /* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16, mode
  * 3 as FP8 (in their mm_sm90_kperm order). Rows outside [offsets[0],
  * offsets[E]) are left alone. */
-template <int F16> /* 0: scales only (mode 1); 2, 4: F16 copy, 3: FP8 copy, in the mode's mm_sm90_kperm order */
+template <int COPY> /* 0: scales only (mode 1); 2, 4: F16 copy, 3: FP8 copy, in the mode's mm_sm90_kperm order */
 __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *off, int E, int H,
-                            int Mp, float *xs_t, uint16_t *x16) {
+                            int Mp, float *xs_t, uint16_t *xc) {
   if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;"); /* L1 may launch */
   const int r0 = off[0], r1 = off[E], KB = H / 128;
   const long stride = (long)gridDim.x * blockDim.x;
@@ -1594,9 +1595,9 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
     const int r = r0 + (int)(i % n), kb = (int)(i / n);
     xs_t[(size_t)kb * Mp + r] = xs[(size_t)r * KB + kb];
   }
-  if (!F16) return;
+  if (!COPY) return;
   const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
-  if (F16 == 3) {
+  if (COPY == 3) {
     /* mm_sm90_kperm_pos, mode 3: the 4-column unit 2q + h of a 32-column
      * block at unit position 4h + q; a thread moves one block (8 units).
      * Row r's copy takes the first H bytes of out's (BF16) row r, so that
@@ -1605,15 +1606,15 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
     for (long i = first; i < (long)(r1 - r0) * nb; i += stride) {
       const size_t r = (size_t)r0 + (size_t)(i / nb), cb = (size_t)(i % nb);
       const uint4 *src = (const uint4 *)(x + r * H + 32 * cb);
-      uint4 *dst = (uint4 *)((uint8_t *)x16 + r * 2 * H + 32 * cb);
+      uint4 *dst = (uint4 *)((uint8_t *)xc + r * 2 * H + 32 * cb);
       const uint4 a = src[0], b = src[1];           /* units 0-3, 4-7 */
       dst[0] = make_uint4(a.x, a.z, b.x, b.z); /* h = 0: units 0, 2, 4, 6 */
       dst[1] = make_uint4(a.y, a.w, b.y, b.w); /* h = 1: units 1, 3, 5, 7 */
     }
     return;
   }
-  uint16_t *o = x16 + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
-  if (F16 == 2) {
+  uint16_t *o = xc + (size_t)r0 * H; /* rows start 32-column blocks: H % 128 == 0 */
+  if (COPY == 2) {
     /* mm_sm90_kperm_pos, mode 2: columns 4q + 2t + j and 16 + 4q + 2t + j
      * of a 32-column block side by side at position 16t + 8j + 2q: a thread
      * reads the 4 columns 4q .. 4q + 3 and their partners 16 on, and stores
