@@ -567,9 +567,11 @@ __global__ void __launch_bounds__(384, 1)
             for (int m = 0; m < 8; m++) {
               /* channels 16 (m / 2) + 8 (m % 2) + 2q, + 1 (and 64 on), at
                * their mm_sm90_kperm positions in mode 3 (its L2's K order,
-               * the WGMMA kernels' too), else in place */
-              const int ck = kperm3 ? 2 * (m >> 2) + (q >> 1) : m >> 1;
-              const int in = kperm3 ? 8 * ((m >> 1) & 1) + 4 * (m & 1) + 2 * (q & 1) : 8 * (m & 1) + 2 * q;
+               * the WGMMA kernels' too), else in place: 16-byte chunk ck,
+               * byte in */
+              const int ch = 16 * (m >> 1) + 8 * (m & 1) + 2 * q;
+              const int pos = kperm3 ? mm_sm90_kperm_pos(MM_WMODE_G16_FP8, ch) : ch;
+              const int ck = pos >> 4, in = pos & 15;
               const uint32_t c0 = to_e4m3x2(h0[16 * rr + 2 * m] * inv, h0[16 * rr + 2 * m + 1] * inv),
                              c1 = to_e4m3x2(h[16 * rr + 2 * m] * inv, h[16 * rr + 2 * m + 1] * inv);
               *(uint16_t *)(chunk(row, ck) + in) = (uint16_t)c0;

@@ -140,7 +140,10 @@
  * the decode-size rows); version 30: two accumulator sets in the F16
  * modes' chunked 16-48-wide loop (modes 2 and 4 0-3% slower), and the FP8
  * loop's trips of four blocks as one loop with a partial last trip (it
- * spilled 152-232 bytes; not run).
+ * spilled 152-232 bytes; not run); version 31: the odd block's promotion
+ * of that loop deferred to the next trip, beside the even block's MMAs, so
+ * that every promotion runs beside MMAs (level at M = 640-1024, modes 1 and
+ * 3: the promotion is not what holds it).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
@@ -892,7 +895,8 @@ struct Kern {
     uint32_t a[4][2][4];   /* A fragments: [chunk][k16 step (F16)][register] */
     uint32_t wd[8];        /* the next block's code words */
     /* its fold-table entries: [chunk][row], twice: with one copy ptxas
-     * orders the 128/160-wide L1 kernels otherwise than the measured build */
+     * orders the 128/160-wide L1 kernels otherwise, and mode 1 ran 1.3%
+     * slower at M = 4096 (docs/PERF.md, version 31) */
     uint2 tl[4][2][2];
     uint32_t sc[2][4];     /* mode 2: its scale pairs [row][chunk] */
     float sw[2] = {1.0f, 1.0f}, swn[2] = {1.0f, 1.0f}; /* references: in flight, next */
@@ -1577,6 +1581,11 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (K::kPingPong && c == 0) named_sync(K::kTurn, 128 * kConsumers);
 }
 
+/* Mode 3's FP8 copy of x: row r takes the first H bytes of out's BF16 row
+ * r (bytes apart from one row to the next), so that only the pool's own
+ * rows are written; the prep kernel's stores and L1's token map. */
+__host__ __device__ constexpr size_t fp8_copy_pitch(int H) { return 2 * (size_t)H; }
+
 /* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16, mode
  * 3 as FP8 (in their mm_sm90_kperm order). Rows outside [offsets[0],
  * offsets[E]) are left alone. */
@@ -1599,14 +1608,13 @@ __global__ void prep_kernel(const uint8_t *x, const float *xs, const int32_t *of
   const uint32_t *x4 = (const uint32_t *)(x + (size_t)r0 * H);
   if (COPY == 3) {
     /* mm_sm90_kperm_pos, mode 3: the 4-column unit 2q + h of a 32-column
-     * block at unit position 4h + q; a thread moves one block (8 units).
-     * Row r's copy takes the first H bytes of out's (BF16) row r, so that
-     * only the pool's own rows are written. */
+     * block at unit position 4h + q; a thread moves one block (8 units),
+     * row r's to fp8_copy_pitch(H) r. */
     const int nb = H / 32;
     for (long i = first; i < (long)(r1 - r0) * nb; i += stride) {
       const size_t r = (size_t)r0 + (size_t)(i / nb), cb = (size_t)(i % nb);
       const uint4 *src = (const uint4 *)(x + r * H + 32 * cb);
-      uint4 *dst = (uint4 *)((uint8_t *)xc + r * 2 * H + 32 * cb);
+      uint4 *dst = (uint4 *)((uint8_t *)xc + r * fp8_copy_pitch(H) + 32 * cb);
       const uint4 a = src[0], b = src[1];           /* units 0-3, 4-7 */
       dst[0] = make_uint4(a.x, a.z, b.x, b.z); /* h = 0: units 0, 2, 4, 6 */
       dst[1] = make_uint4(a.y, a.w, b.y, b.w); /* h = 1: units 1, 3, 5, 7 */
@@ -1794,7 +1802,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
   const void *x1 = kCopy ? (const void *)x16 : (const void *)pool->x;
   const int big = Kern<MODE, 1, BS, CPS>::kBig, mid = Kern<MODE, 1, BS, CPS>::kMid;
-  const uint64_t x1_pitch = MODE == 3 ? 2ull * H : 0; /* mode 3's copy: BF16 rows of out */
+  const uint64_t x1_pitch = MODE == 3 ? fp8_copy_pitch(H) : 0; /* mode 3's copy: in out's BF16 rows */
   MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, mid, x1, H, M, ws->xs_t, Mp, x1_pitch));
   MM_TRY(make_tile_maps(&m2, f16, mixed, BS, big, mid, ws->act, I, Mp, ws->as_t, Mp));
   if (BS2) {

@@ -135,7 +135,8 @@ __device__ __forceinline__ void decode_record_run(const uint8_t *rec0, int kb0, 
     } else {
       /* each slot decoded from where it was loaded, then reloaded: with the
        * next loads beside copies of both slots (4 x 12 registers) the
-       * decoder warps spilled at the producer warpgroup's 72 registers */
+       * decoder warps spilled at the producer warpgroup's 72 registers
+       * (20 bytes still with one fold-table entry per word, version 31) */
 #pragma unroll
       for (int i = 0; i < 2; i++) {
         decode_record_slot<MODE, NATURAL>(cur[i], 64 * h + lane + 32 * i, lut, buf, 32 * h);
