@@ -1581,9 +1581,9 @@ __global__ void __launch_bounds__(Warps<CPS>::kThreads, CPS)
   if (K::kPingPong && c == 0) named_sync(K::kTurn, 128 * kConsumers);
 }
 
-/* Mode 3's FP8 copy of x: row r takes the first H bytes of out's BF16 row
- * r (bytes apart from one row to the next), so that only the pool's own
- * rows are written; the prep kernel's stores and L1's token map. */
+/* Mode 3's FP8 copy of x lives in out's BF16 rows: row r's H bytes start
+ * fp8_copy_pitch(H) r bytes in, so that only the pool's own rows are
+ * written. The prep kernel's stores and L1's token map both use it. */
 __host__ __device__ constexpr size_t fp8_copy_pitch(int H) { return 2 * (size_t)H; }
 
 /* Token scales transposed to [K/128][Mp]; modes 2 / 4 also x as F16, mode
