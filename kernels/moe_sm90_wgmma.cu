@@ -143,7 +143,10 @@
  * spilled 152-232 bytes; not run); version 31: the odd block's promotion
  * of that loop deferred to the next trip, beside the even block's MMAs, so
  * that every promotion runs beside MMAs (level at M = 640-1024, modes 1 and
- * 3: the promotion is not what holds it).
+ * 3: the promotion is not what holds it; branch proto/defer-promotion).
+ * In long runs the decode sizes reach the board's power cap, where each
+ * half alone (the copies, the consumers) does not (docs/PERF.md, version
+ * 31; ablation builds on branch proto/ablation-v31).
  *
  * Per 128-wide K block each tile accumulates in a fresh FP32 register tile,
  * then promotes: final += acc * token_scale * weight_ref (modes 1, 3, 4) or
