@@ -1801,9 +1801,9 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
    * never stored. */
   /* Mode 3 reads an FP8 copy of x in its K order there too. */
   constexpr bool kCopy = Cfg<MODE, BS>::kF16 || MODE == 3;
-  uint16_t *x16 = kCopy ? pool->out : NULL;
+  uint16_t *xc = kCopy ? pool->out : NULL;
   TileMaps m1, m2, m1w, m2w; /* L1, L2; the pair's second launches */
-  const void *x1 = kCopy ? (const void *)x16 : (const void *)pool->x;
+  const void *x1 = kCopy ? (const void *)xc : (const void *)pool->x;
   const int big = Kern<MODE, 1, BS, CPS>::kBig, mid = Kern<MODE, 1, BS, CPS>::kMid;
   const uint64_t x1_pitch = MODE == 3 ? fp8_copy_pitch(H) : 0; /* mode 3's copy: in out's BF16 rows */
   MM_TRY(make_tile_maps(&m1, f16, mixed, BS, big, mid, x1, H, M, ws->xs_t, Mp, x1_pitch));
@@ -1814,7 +1814,7 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   }
   /* maps first: the prep kernel then runs back to back with L1 */
   prep_kernel<kCopy ? MODE : 0><<<2 * sm_count(), 256, 0, st>>>(
-      pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, x16);
+      pool->x, pool->x_scale, pool->expert_offsets, L->E, H, Mp, ws->xs_t, xc);
   MM_CUDA_TRY(cudaGetLastError());
   Params p;
   memset(&p, 0, sizeof(p));
