@@ -26,8 +26,9 @@
  * kernels of modes 1-3, Kern::kBig), so its weights are decoded once per 64
  * (32) of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
- * wide, first (Kern::kMid). With 60-104 rows per expert, a launch pair gives
- * the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
+ * wide, first (Kern::kMid); a large tile of a few rows more than those
+ * runs narrower MMAs (Kern::kNarrow). With 60-104 rows per expert, a
+ * launch pair gives the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
  * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
  * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
@@ -399,6 +400,13 @@ __global__ void silu_table_kernel() {
  * % 4): the m64nN fragment holds column 8 * (k / 2) + 2q + (k & 1) in
  * register 4 * (k / 2) + (k & 1) (row r0) and in that + 2 (row r0 + 8). */
 __device__ __forceinline__ int acc_col(int k, int q) { return 8 * (k >> 1) + 2 * q + (k & 1); }
+/* The first N of an accumulator array's R registers: the m64nN fragment of
+ * its first N token columns (acc_col's layout puts them first). */
+template <int N, int R>
+__device__ __forceinline__ float (&head(float (&a)[R]))[N] {
+  static_assert(N <= R, "a prefix");
+  return *reinterpret_cast<float(*)[N]>(&a[0]);
+}
 
 /* mma<FP8, N>: one m64nNk32 (FP8 E4M3) or m64nNk16 (F16) WGMMA, A from
  * registers, B from a shared-memory descriptor, D += A*B (D = A*B when
@@ -413,13 +421,19 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
  * after them: {a0..a3}, desc and scale_d. KTYPE: K and the input types;
  * TAIL: F16's B-transpose immediate. */
 #define MM_AB_16 "{%8, %9, %10, %11}, %12"
+#define MM_AB_24 "{%12, %13, %14, %15}, %16"
 #define MM_AB_32 "{%16, %17, %18, %19}, %20"
+#define MM_AB_40 "{%20, %21, %22, %23}, %24"
 #define MM_AB_48 "{%24, %25, %26, %27}, %28"
+#define MM_AB_56 "{%28, %29, %30, %31}, %32"
 #define MM_AB_64 "{%32, %33, %34, %35}, %36"
 #define MM_AB_80 "{%40, %41, %42, %43}, %44"
 #define MM_SCALE_16 "%13"
+#define MM_SCALE_24 "%17"
 #define MM_SCALE_32 "%21"
+#define MM_SCALE_40 "%25"
 #define MM_SCALE_48 "%29"
+#define MM_SCALE_56 "%33"
 #define MM_SCALE_64 "%37"
 #define MM_SCALE_80 "%45"
 #define MM_WGMMA(FP8, N, KTYPE, TAIL)                                                     \
@@ -437,8 +451,11 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint32_t a0, uint32_t a1,
   MM_WGMMA(1, N, "k32.f32.e4m3.e4m3", "") \
   MM_WGMMA(0, N, "k16.f32.f16.f16", ", 0")
 MM_WGMMA_N(16)
+MM_WGMMA_N(24) /* mode 2's 32-wide large tiles of 17-24 rows (Kern::kNarrow) */
 MM_WGMMA_N(32)
+MM_WGMMA_N(40) /* a 64-wide tile's MMAs for 33-40 rows (Kern::kNarrow) */
 MM_WGMMA_N(48) /* the F16 modes' 32-wide kernels' middle tiles */
+MM_WGMMA_N(56) /* 64-wide tiles of 49-56 rows in the F16 modes */
 MM_WGMMA_N(64) /* the 128-wide loop issues two n64 halves */
 MM_WGMMA_N(80) /* the 160-wide loop: two n80 halves */
 #undef MM_WGMMA_N
@@ -575,6 +592,19 @@ struct Kern {
    * on random ones (docs/PERF.md, version 14). */
   static constexpr int kMid =
       !kMixed ? 0 : BS == 32 && (MODE == 2 || MODE == 4) ? 48 : BS == 16 && MODE == 4 ? 32 : 0;
+  /* Narrow MMAs (Kern::k_loop_chunked): a large tile of at most kNarrow
+   * rows issues m64n<kNarrow> MMAs and promotes kNarrow columns, not kBig:
+   * the experts a few rows above the small (or middle) tiles, half of them
+   * under random routing. The FP8 modes' 32-wide kernels (33-40 rows):
+   * routed loads at M = 1024 5-6% (mode 1) and 6-7% (mode 3) faster, even
+   * and skewed ones within 1%; with 48 beside 40, skewed loads 1-2% slower
+   * (docs/PERF.md, version 32). The F16 modes' 32-wide kernels take 56
+   * above their 48-wide middle tiles, mode 2's 16-wide ones 24 (routed
+   * loads at M = 512 and 1536 2% faster). The FP8 modes' 16-wide kernels
+   * keep full 32-wide large tiles: their double-buffered loop with a
+   * second, m64n24 instantiation ran mode 3 2-4.5% slower at M = 512-640,
+   * even loads too. */
+  static constexpr int kNarrow = kBig == 32 ? 24 : kMid == 48 ? 56 : 40;
   static constexpr int kBNMax = kMixed ? kBig : BS;
   using S = Smem<MODE, GEMM, kBNMax, CPS, kMixed>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
@@ -1129,6 +1159,168 @@ struct Kern {
     }
   }
 
+  /* The K loop of one 16-64-wide tile without double buffering (the
+   * chunked loop): each chunk of a block is decoded just before its MMAs.
+   * NW: the MMAs' width, BN or less (kNarrow for a large tile of few
+   * rows): m64nNW MMAs on the first NW token columns of the tile, and only
+   * those promoted, so the rest of fin stays 0 for the epilogue. */
+  template <int BN, int NW>
+  static __device__ __forceinline__ void k_loop_chunked(const Params &p, uint8_t *sm,
+                                                        const Unit &un, int c, int &stage,
+                                                        uint32_t &phase, float (&fin)[TPW][BN / 2],
+                                                        float (&acc)[TPW][BN / 2]) {
+    using C = Cfg<MODE, BN>;
+    static_assert(NW % 8 == 0 && NW <= BN, "an MMA width of the tile");
+    constexpr int NC = NW / 4; /* token columns per thread in the MMAs */
+    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
+    const int tid = threadIdx.x % 128;
+    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int r0 = 16 * w + g;
+    const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
+    const int KB = p.K / 128;
+    /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
+     * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
+     * recomputed them from %tid at the top of every block; the empty asm
+     * keeps them in registers there: 2-7% faster at M = 256 and 512 in
+     * mode 1 (mode 3 unchanged). The other kernels keep their own address
+     * arithmetic (with the pinned form they were 1-3% slower, and the F16
+     * modes spilled). */
+    constexpr bool kPin = CPS == 2 && !C::kF16;
+    uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
+    uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * kRowScaleBytes;     /* scales */
+    uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
+    uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
+    /* the token column that sS points at */
+    const int col0 = kPin ? acc_col(0, q) : 0;
+    for (int kb = 0; kb < KB; kb++) {
+      if (kPin) asm volatile("" : "+r"(o_w), "+r"(o_s), "+r"(o_r), "+r"(o_x));
+      mbar_wait(&full[stage], phase);
+      const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (kPin ? 0 : (TPW * c) * C::kRec);
+      /* descriptor of the stage's token tile; steps add their byte offset
+       * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
+      const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
+      const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
+                             : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
+      /* token scales: read before the MMAs */
+      float sx[NC];
+#pragma unroll
+      for (int k = 0; k < NC; k++) sx[k] = sS[acc_col(k, q) - col0];
+      uint32_t wd[TPW][8];
+      float sw[TPW][2];
+      uint2 sb[TPW][2];
+      /* mode 2 (one CTA per SM): the block's scale pairs, read with its
+       * records rather than in the decode: 1-3% faster at M = 256-2048
+       * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
+      uint32_t sc[kScalesAhead ? TPW : 1][2][4];
+      auto scale_of = [&](int j, int rr, int ch) {
+        return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][ch] : scale_pair(sb[j][rr], ch);
+      };
+#pragma unroll
+      for (int j = 0; j < TPW; j++) {
+        const uint8_t *R = sA + j * C::kRec;
+        const uint4 c0 = *(const uint4 *)(R + (kPin ? o_w : tid * 16)),
+                    c1 = *(const uint4 *)(R + (kPin ? o_w + 2048 : 2048 + tid * 16));
+        wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
+        wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int r = r0 + 8 * hh;
+          sb[j][hh] = row_scales(R + (kPin ? o_s + 8 * kRowScaleBytes * hh
+                                           : 4096 + kRowScaleBytes * r));
+          if (kScalesAhead)
+#pragma unroll
+            for (int ch = 0; ch < 4; ch++) sc[kScalesAhead ? j : 0][hh][ch] = scale_pair(sb[j][hh], ch);
+          sw[j][hh] = MODE == 2 || ONE ? 1.0f
+                                       : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
+                                                                                 : C::kRefOff + 2 * r)));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < TPW; j++) fence_acc(head<NW / 2>(acc[j]));
+      /* A registers: a chunk's stay untouched until its MMAs retire. The
+       * FP8 modes' 64-wide tiles give each of the block's 4 chunks its own
+       * buffer, so that no decode waits on an MMA inside the block (mode 1
+       * 2-5% faster, docs/PERF.md version 6). The others alternate two
+       * buffers: 16/32-wide tiles measured 1% slower with four, and the
+       * F16 fragments (twice the registers) spilled. (The 128-wide tiles
+       * run k_loop_ahead, with four.) */
+      constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
+      /* Split (FP8 64-wide tiles, the mixed kernels' too): the MMAs of
+       * tile 1 issue after all of tile 0's, in a group of their own, and
+       * tile 0 is promoted while they run, as the 128-wide loop does with
+       * its two column halves: 3% faster at M = 2048 (docs/PERF.md,
+       * version 8); in the mixed kernels 2% slower at M = 1024 without
+       * turns there (version 8), with them 1-4% faster (version 13). */
+      constexpr bool kSplit = kBufs == 4 && TPW == 2 && BN == 64;
+      /* turns at 64-wide tiles, the mixed kernels' too (kPingPong) */
+      constexpr bool kTurns = kPingPong && BN == 64;
+      uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
+#pragma unroll
+      for (int ch = 0; ch < 4; ch++) {
+        const int buf = ch % kBufs;
+        /* two buffers: chunk ch-2 has retired, its registers are free */
+        if (kBufs == 2 && ch >= 2) wg_wait<1>();
+#pragma unroll
+        for (int j = 0; j < TPW; j++) {
+#pragma unroll
+          for (int rr = 0; rr < 2; rr++) {
+            uint2 t = make_uint2(0u, 0u);
+            uint32_t scp = 0;
+            if (MODE == 2)
+              scp = scale_of(j, rr, ch);
+            else
+              t = fold_entry(lut, sb[j][rr], ch);
+            decode_word(wd[j][2 * ch + rr], t, scp, rr, a[buf][j]);
+          }
+        }
+        if (kTurns && ch == 0) { /* my turn */
+          if constexpr (kDoubleBuffer) turn_sync(c);
+          else named_sync(kTurn + c, 128 * kConsumers);
+        }
+        wg_fence();
+        constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
+#pragma unroll
+        for (int j = 0; j < (kSplit ? 1 : TPW); j++)
+#pragma unroll
+          for (int ss = 0; ss < kSteps; ss++) {
+            /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
+            const int s = kSteps * ch + ss;
+            const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
+            mma<!C::kF16, NW>(head<NW / 2>(acc[j]), a[buf][j][ss][0], a[buf][j][ss][1],
+                              a[buf][j][ss][2], a[buf][j][ss][3], d, s > 0);
+          }
+        wg_commit();
+      }
+      if constexpr (kSplit) { /* tile 1: the chunks' buffers are all still live */
+        wg_fence();
+#pragma unroll
+        for (int ch = 0; ch < 4; ch++)
+          mma<true, NW>(head<NW / 2>(acc[1]), a[ch][1][0][0], a[ch][1][0][1], a[ch][1][0][2],
+                        a[ch][1][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+        wg_commit();
+      }
+      if (kTurns) { /* the other's turn */
+        if constexpr (kDoubleBuffer) turn_grant(c);
+        else named_arrive(kTurn + (c ^ 1), 128 * kConsumers);
+      }
+      /* tile j's promotion with the scales read before the MMAs */
+      auto promote = [&](int j) {
+        promote_tile(head<NW / 2>(fin[j]), head<NW / 2>(acc[j]), sx, sw[j]);
+      };
+      if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
+        wg_wait<1>();
+        fence_acc(head<NW / 2>(acc[0]));
+        promote(0);
+      }
+      wg_wait<0>();
+#pragma unroll
+      for (int j = kSplit ? 1 : 0; j < TPW; j++) fence_acc(head<NW / 2>(acc[j]));
+      release_stage(empty, stage, phase);
+#pragma unroll
+      for (int j = kSplit ? 1 : 0; j < TPW; j++) promote(j);
+    }
+  }
+
   /* One work unit of consumer warpgroup c with a BN-wide token tile: per
    * half (one unless kWide), the K loop over its stages, then the epilogue. */
   template <int BN>
@@ -1180,144 +1372,12 @@ struct Kern {
       } else if constexpr (kDoubleBuffer && BN <= 32) {
         k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);
       } else {
-        /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
-         * K loop. With two CTAs per SM (FP8 modes, 104 registers) ptxas
-         * recomputed them from %tid at the top of every block; the empty asm
-         * keeps them in registers there: 2-7% faster at M = 256 and 512 in
-         * mode 1 (mode 3 unchanged). The other kernels keep their own address
-         * arithmetic (with the pinned form they were 1-3% slower, and the F16
-         * modes spilled). */
-        constexpr bool kPin = CPS == 2 && !C::kF16;
-        uint32_t o_w = (TPW * c) * C::kRec + tid * 16;                        /* codes */
-        uint32_t o_s = (TPW * c) * C::kRec + 4096 + r0 * kRowScaleBytes;     /* scales */
-        uint32_t o_r = (TPW * c) * C::kRec + C::kRefOff + 2 * r0;            /* references */
-        uint32_t o_x = 4 * ((un.tok0 & 3) + acc_col(0, q));                  /* token scales */
-        /* the token column that sS points at */
-        const int col0 = kPin ? acc_col(0, q) : 0;
-        for (int kb = 0; kb < KB; kb++) {
-          if (kPin) asm volatile("" : "+r"(o_w), "+r"(o_s), "+r"(o_r), "+r"(o_x));
-          mbar_wait(&full[stage], phase);
-          const uint8_t *sA = sm + S::kOffA + stage * CM::kA + (kPin ? 0 : (TPW * c) * C::kRec);
-          /* descriptor of the stage's token tile; steps add their byte offset
-           * / 16 to the start-address field (shared memory < 256 KiB: no carry) */
-          const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * CM::kB));
-          const float *sS = kPin ? (const float *)(sm + S::kOffS + stage * CM::kS + o_x)
-                                 : (const float *)(sm + S::kOffS + stage * CM::kS) + (un.tok0 & 3);
-          /* token scales: read before the MMAs */
-          float sx[NC];
-  #pragma unroll
-          for (int k = 0; k < NC; k++) sx[k] = sS[acc_col(k, q) - col0];
-          uint32_t wd[TPW][8];
-          float sw[TPW][2];
-          uint2 sb[TPW][2];
-          /* mode 2 (one CTA per SM): the block's scale pairs, read with its
-           * records rather than in the decode: 1-3% faster at M = 256-2048
-           * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
-          uint32_t sc[kScalesAhead ? TPW : 1][2][4];
-          auto scale_of = [&](int j, int rr, int ch) {
-            return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][ch] : scale_pair(sb[j][rr], ch);
-          };
-  #pragma unroll
-          for (int j = 0; j < TPW; j++) {
-            const uint8_t *R = sA + j * C::kRec;
-            const uint4 c0 = *(const uint4 *)(R + (kPin ? o_w : tid * 16)),
-                        c1 = *(const uint4 *)(R + (kPin ? o_w + 2048 : 2048 + tid * 16));
-            wd[j][0] = c0.x; wd[j][1] = c0.y; wd[j][2] = c0.z; wd[j][3] = c0.w;
-            wd[j][4] = c1.x; wd[j][5] = c1.y; wd[j][6] = c1.z; wd[j][7] = c1.w;
-  #pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-              const int r = r0 + 8 * hh;
-              sb[j][hh] = row_scales(R + (kPin ? o_s + 8 * kRowScaleBytes * hh
-                                               : 4096 + kRowScaleBytes * r));
-              if (kScalesAhead)
-  #pragma unroll
-                for (int ch = 0; ch < 4; ch++) sc[kScalesAhead ? j : 0][hh][ch] = scale_pair(sb[j][hh], ch);
-              sw[j][hh] = MODE == 2 || ONE ? 1.0f
-                                           : pow2_exact(*(const int16_t *)(R + (kPin ? o_r + 16 * hh
-                                                                                     : C::kRefOff + 2 * r)));
-            }
-          }
-  #pragma unroll
-          for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
-          /* A registers: a chunk's stay untouched until its MMAs retire. The
-           * FP8 modes' 64-wide tiles give each of the block's 4 chunks its own
-           * buffer, so that no decode waits on an MMA inside the block (mode 1
-           * 2-5% faster, docs/PERF.md version 6). The others alternate two
-           * buffers: 16/32-wide tiles measured 1% slower with four, and the
-           * F16 fragments (twice the registers) spilled. (The 128-wide tiles
-           * run k_loop_ahead, with four.) */
-          constexpr int kBufs = BN == 64 && !C::kF16 ? 4 : 2;
-          /* Split (FP8 64-wide tiles, the mixed kernels' too): the MMAs of
-           * tile 1 issue after all of tile 0's, in a group of their own, and
-           * tile 0 is promoted while they run, as the 128-wide loop does with
-           * its two column halves: 3% faster at M = 2048 (docs/PERF.md,
-           * version 8); in the mixed kernels 2% slower at M = 1024 without
-           * turns there (version 8), with them 1-4% faster (version 13). */
-          constexpr bool kSplit = kBufs == 4 && TPW == 2 && BN == 64;
-          /* turns at 64-wide tiles, the mixed kernels' too (kPingPong) */
-          constexpr bool kTurns = kPingPong && BN == 64;
-          uint32_t a[kBufs][TPW][2][4]; /* [buffer][tile][step in chunk][register] */
-  #pragma unroll
-          for (int ch = 0; ch < 4; ch++) {
-            const int buf = ch % kBufs;
-            /* two buffers: chunk ch-2 has retired, its registers are free */
-            if (kBufs == 2 && ch >= 2) wg_wait<1>();
-  #pragma unroll
-            for (int j = 0; j < TPW; j++) {
-  #pragma unroll
-              for (int rr = 0; rr < 2; rr++) {
-                uint2 t = make_uint2(0u, 0u);
-                uint32_t scp = 0;
-                if (MODE == 2)
-                  scp = scale_of(j, rr, ch);
-                else
-                  t = fold_entry(lut, sb[j][rr], ch);
-                decode_word(wd[j][2 * ch + rr], t, scp, rr, a[buf][j]);
-              }
-            }
-            if (kTurns && ch == 0) { /* my turn */
-              if constexpr (kDoubleBuffer) turn_sync(c);
-              else named_sync(kTurn + c, 128 * kConsumers);
-            }
-            wg_fence();
-            constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
-  #pragma unroll
-            for (int j = 0; j < (kSplit ? 1 : TPW); j++)
-  #pragma unroll
-              for (int ss = 0; ss < kSteps; ss++) {
-                /* step s reads 32 bytes of each token row; F16 rows span 2 slabs */
-                const int s = kSteps * ch + ss;
-                const uint64_t d = dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32) >> 4);
-                mma<!C::kF16, BN>(acc[j], a[buf][j][ss][0], a[buf][j][ss][1], a[buf][j][ss][2],
-                                  a[buf][j][ss][3], d, s > 0);
-              }
-            wg_commit();
-          }
-          if constexpr (kSplit) { /* tile 1: the chunks' buffers are all still live */
-            wg_fence();
-  #pragma unroll
-            for (int ch = 0; ch < 4; ch++)
-              mma<true, BN>(acc[1], a[ch][1][0][0], a[ch][1][0][1], a[ch][1][0][2], a[ch][1][0][3],
-                            dB0 + (uint64_t)(ch * 2), ch > 0);
-            wg_commit();
-          }
-          if (kTurns) { /* the other's turn */
-            if constexpr (kDoubleBuffer) turn_grant(c);
-            else named_arrive(kTurn + (c ^ 1), 128 * kConsumers);
-          }
-          /* tile j's promotion with the scales read before the MMAs */
-          auto promote = [&](int j) { promote_tile(fin[j], acc[j], sx, sw[j]); };
-          if constexpr (kSplit) { /* tile 0 beside tile 1's MMAs */
-            wg_wait<1>();
-            fence_acc(acc[0]);
-            promote(0);
-          }
-          wg_wait<0>();
-  #pragma unroll
-          for (int j = kSplit ? 1 : 0; j < TPW; j++) fence_acc(acc[j]);
-          release_stage(empty, stage, phase);
-  #pragma unroll
-          for (int j = kSplit ? 1 : 0; j < TPW; j++) promote(j);
+        if constexpr (kMixed && BN == kBig) {
+          /* a large tile whose rows need kNarrow columns or fewer */
+          if (un.valid > kNarrow) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
+          else k_loop_chunked<BN, kNarrow>(p, sm, un, c, stage, phase, fin, acc);
+        } else {
+          k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
         }
       }
 

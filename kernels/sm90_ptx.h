@@ -20,15 +20,22 @@ extern "C" {
 #define MM_ACC8(d, o)                                                                        \
   "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
       "+f"(d[o + 6]), "+f"(d[o + 7])
+#define MM_ACC4(d, o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3])
 #define MM_ACC_16(d) MM_ACC8(d, 0)
+#define MM_ACC_24(d) MM_ACC8(d, 0), MM_ACC4(d, 8)
 #define MM_ACC_32(d) MM_ACC8(d, 0), MM_ACC8(d, 8)
+#define MM_ACC_40(d) MM_ACC_32(d), MM_ACC4(d, 16)
 #define MM_ACC_48(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16)
+#define MM_ACC_56(d) MM_ACC_48(d), MM_ACC4(d, 24)
 #define MM_ACC_64(d) MM_ACC8(d, 0), MM_ACC8(d, 8), MM_ACC8(d, 16), MM_ACC8(d, 24)
 #define MM_ACC_80(d) MM_ACC_64(d), MM_ACC8(d, 32)
 #define MM_ACC_128(d) MM_ACC_64(d), MM_ACC8(d, 32), MM_ACC8(d, 40), MM_ACC8(d, 48), MM_ACC8(d, 56)
 #define MM_D_16 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define MM_D_24 MM_D_16 ", %8, %9, %10, %11"
 #define MM_D_32 MM_D_16 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define MM_D_40 MM_D_32 ", %16, %17, %18, %19"
 #define MM_D_48 MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define MM_D_56 MM_D_48 ", %24, %25, %26, %27"
 #define MM_D_64 \
   MM_D_32 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define MM_D_80 MM_D_64 ", %32, %33, %34, %35, %36, %37, %38, %39"

@@ -602,7 +602,12 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * QGMMA paths (E 40, M 159: 271 of 19968 codes a step away, every
        * one at a near-tie, L2 from the GPU's intermediate 8e-4), where the
        * other cases run at 2e-4 to 1.9e-2. */
-      const double tol = qg && s->extreme ? 0.25 : qg && m3 ? 0.1 : 5e-2;
+      /* Mode 1 there too, on small cases: seed 1796441190 gives 5.24e-2 on
+       * both QGMMA paths under TOKEN_TILE=128 GRID=3 (E 32, M 108: 72 of
+       * 13440 codes a step away, all at near-ties, a token's FP8 scale
+       * 0.5% off; L2 from the GPU's intermediate 6e-4; kernels unchanged
+       * since version 31). */
+      const double tol = qg && s->extreme ? 0.25 : qg ? 0.1 : 5e-2;
       int nan_rows;
       double rel = rel_frob(got + (size_t)lead * H, (m3 ? ref_fold : ref) + (size_t)lead * H,
                             Mused - lead, H, &nan_rows);
@@ -681,6 +686,13 @@ static const int k_counts_pair[] = {150, 3, 70, 0, 140};
  * 16 tiles, the last of 10 rows, so the last set of two is split and one
  * warpgroup computes the small tile (mm_sm90_prefill_unit) */
 static const int k_counts_big[] = {2100, 77, 0, 1930};
+/* the mixed kernels' large tiles at both MMA widths (Kern::kNarrow): in
+ * the FP8 modes' 32-wide kernels 33 and 40 rows take m64n40 MMAs, 45, 52
+ * and 110 (64 + 46) full ones; in the F16 modes' 33-45 rows take the
+ * middle tiles, 52 and 110's second tile m64n56 MMAs; forced 16-wide
+ * tiles at one CTA per SM (gpu_suite.sh) give mode 2's 32-wide large tiles
+ * of 1-20 rows m64n24 MMAs */
+static const int k_counts_widths[] = {45, 3, 33, 0, 110, 2, 52, 40, 1, 0};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
@@ -699,13 +711,14 @@ static const shape k_shapes[] = {
      * sets and a split last tile; 16 with a small last tile) and odd tile
      * counts in both GEMMs */
     {256, 256, 4, k_counts_big, 0, 0.0f, 0, 0, 0},
+    {256, 128, 10, k_counts_widths, 0, 0.0f, 0, 0, 0},
 };
 
 static void test_mode(mm_weight_mode mode) {
-  /* MEGAMOE_TEST_QUICK (sanitizer runs): four shapes per mode */
+  /* MEGAMOE_TEST_QUICK (sanitizer runs): five shapes per mode */
   const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
-    if (!quick || i == 0 || i == 3 || i == 5 || i == 6) run_case(mode, &k_shapes[i]);
+    if (!quick || i == 0 || i == 3 || i == 5 || i == 6 || i == 10) run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) {
   test_mode(MM_WMODE_G32_FP8);
@@ -744,6 +757,8 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s3);
   const shape s4 = {256, 256, 4, k_counts_big, 0, 0.0f, 0, 1, 0}; /* raster groups, split tiles */
   run_case(MM_WMODE_G32_FP8, &s4);
+  const shape s5 = {256, 128, 10, k_counts_widths, 0, 0.0f, 0, 1, 0}; /* MMA widths */
+  run_case(MM_WMODE_G32_FP8, &s5);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
