@@ -601,8 +601,9 @@ struct Kern {
    * (docs/PERF.md, version 32). The F16 modes' 32-wide kernels take 56
    * above their 48-wide middle tiles, mode 2's 16-wide ones 24 (routed
    * loads at M = 512 and 1536 2% faster). The FP8 modes' 16-wide kernels
-   * keep full 32-wide large tiles: their double-buffered loop with a
-   * second, m64n24 instantiation ran mode 3 2-4.5% slower at M = 512-640,
+   * keep full 32-wide large tiles: with a second, m64n24 instantiation of
+   * their double-buffered loop ptxas serialized the WGMMAs of mode 3's L1
+   * kernel (C7511, registers), which ran 2-4.5% slower at M = 512-640,
    * even loads too. */
   static constexpr int kNarrow = kBig == 32 ? 24 : kMid == 48 ? 56 : 40;
   static constexpr int kBNMax = kMixed ? kBig : BS;
