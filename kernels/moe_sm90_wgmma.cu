@@ -28,9 +28,9 @@
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
  * wide, first (Kern::kMid); a large tile of a few rows more than those
  * runs narrower MMAs (Kern::kNarrow). With 60-104 rows per expert, a
- * launch pair gives the experts above 64 rows 128-wide tiles. With 128 (prefill), each consumer
- * warpgroup owns one m64 tile of 128 columns, and a unit's 256 rows are two
- * halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
+ * launch pair gives the experts above 64 rows 128-wide tiles. With 128
+ * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
+ * and a unit's 256 rows are two halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
  * with less waste (129-160 rows: one tile instead of two), 128-wide ones for
  * the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In the decode
@@ -1330,12 +1330,9 @@ struct Kern {
     using C = Cfg<MODE, BN>;
     constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
     constexpr int NC = BN / 4; /* token columns per thread */
-    uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const int tid = threadIdx.x % 128;
     const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
     const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
-    const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
-    const int KB = p.K / 128;
     /* 128-wide tiles, L1: the first half's SwiGLU outputs (channel 32 c + lc
      * of the unit's 128), kept for the second half's FP8 scale */
     float av0[kWide && GEMM == 1 ? NC : 1];
