@@ -595,7 +595,8 @@ struct Kern {
   /* Narrow MMAs (Kern::k_loop_chunked): a large tile of at most kNarrow
    * rows issues m64n<kNarrow> MMAs and promotes kNarrow columns, not kBig:
    * the experts a few rows above the small (or middle) tiles, half of them
-   * under random routing. The FP8 modes' 32-wide kernels (33-40 rows):
+   * under random routing. 40 in mode 4's 16-wide kernels (above their
+   * 32-wide middle tiles) and the FP8 modes' 32-wide ones (33-40 rows):
    * routed loads at M = 1024 5-6% (mode 1) and 6-7% (mode 3) faster, even
    * and skewed ones within 1%; with 48 beside 40, skewed loads 1-2% slower
    * (docs/PERF.md, version 32). The F16 modes' 32-wide kernels take 56
@@ -975,7 +976,7 @@ struct Kern {
      * otherwise wait for all of them: mode 1 3-4% faster (docs/PERF.md,
      * version 8); one group of m64n128 MMAs ran mode 4 5-7% and mode 2 3-4%
      * slower (version 9). */
-    float(&acc_lo)[NH / 2] = *reinterpret_cast<float(*)[NH / 2]>(&acc[0]);
+    float(&acc_lo)[NH / 2] = head<NH / 2>(acc);
     float(&acc_hi)[NH / 2] = *reinterpret_cast<float(*)[NH / 2]>(&acc[NH / 2]);
     auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs (F16: 2 x 8) */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
