@@ -43,10 +43,11 @@
  * of block kb + 1 runs beside block kb's promotion; in the FP8 modes' one-CTA
  * kernels the 16- and 32-wide tiles decode block kb + 1 beside block kb's
  * MMAs and promote block kb beside block kb + 1's, in two accumulator sets
- * (Kern::k_loop_db). In modes 1 and 4 (mode 1's records), matrices
- * whose references are all 0 (the packer's row anchor) run kernels that
- * promote without the reference multiply and its loads and copy the records
- * without the references (Kern's ONE, kRecCopy), at every tile width.
+ * (Kern::k_loop_db). In modes 1, 3 and 4 (mode 4: mode 1's records),
+ * matrices whose references are all 0 (the packers' row anchors) run kernels
+ * that promote without the reference multiply and its loads and copy the
+ * records without the references (Kern's ONE, kRecCopy), at every tile
+ * width.
  * Measured and not kept: 4 consumer warpgroups of one tile each (no faster:
  * the per-block overhead doubles), decoding the next block ahead of the
  * last MMAs (slower), promoting one block while the next one's MMAs run
@@ -87,9 +88,7 @@
  * faster than one CTA per SM) and a double-buffered 16/32-wide FP8 loop
  * for every tile of the mixed kernels (mode 1 0-4% faster, mode 3 up to 5%
  * faster but the 64-wide tiles 5-6% slower; version 11: version 14 keeps
- * it for the 16/32-wide tiles only, Kern::k_loop_db); ONE kernels for mode 3 with a row anchor
- * in its packers (-4.5% at M = 32768, equal at M <= 4096; branch
- * proto/mode3-anchor); version 12: a banded unit order (8 token tiles of
+ * it for the 16/32-wide tiles only, Kern::k_loop_db); version 12: a banded unit order (8 token tiles of
  * an expert against all its row blocks, for L2 reuse with a skewed expert:
  * equal at M = 16384-32768 skewed, 2-3% slower at 1024), mode 2 without the
  * fold table's shared memory (one more stage in the L1 16-64-wide kernels:
@@ -562,14 +561,16 @@ struct TokenMaps {
  * small experts; kMixed adds larger tiles (kBig) for the others (one CTA per
  * SM only: their accumulators do not fit two CTAs' registers; 16/32 there
  * measured with a spilling 32-wide loop, version 13). ONE
- * (modes 1 and 4): every reference exponent of the matrix is 0 (the packer's row
- * anchor moved each row's into its row factor), so the promotion skips the
- * reference multiply, and the K loop the references' loads and powers of
- * two. A kernel of its own rather than a branch per tile: two copies of the
- * K loop in one kernel ran the per-block-reference copy 4-7% slower
- * (docs/PERF.md, version 7). At 16-64-wide tiles ONE measured 2-8% faster
- * (version 8), at 128-wide 8-10% (version 7); mode 4's share of its 8-11%
- * (with the byte permutes, version 8) was not measured apart. */
+ * (modes 1, 3 and 4): every reference exponent of the matrix is 0 (the
+ * packer's row anchor moved each row's into its row factor), so the
+ * promotion skips the reference multiply, and the K loop the references'
+ * loads and powers of two. A kernel of its own rather than a branch per
+ * tile: two copies of the K loop in one kernel ran the per-block-reference
+ * copy 4-7% slower (docs/PERF.md, version 7). At 16-64-wide tiles ONE
+ * measured 2-8% faster (version 8), at 128-wide 8-10% (version 7); mode 4's
+ * share of its 8-11% (with the byte permutes, version 8) was not measured
+ * apart; mode 3 (anchored since version 25) 6-9% faster at M = 256-4096
+ * (version 33; version 10, before its K order, measured 0-4.5%). */
 template <int MODE, int GEMM, int BS, int CPS, bool ONE = false>
 struct Kern {
   static constexpr bool kMixed = BS < 64 && CPS == 1;
@@ -1805,11 +1806,12 @@ mm_err *make_tile_maps(TileMaps *m, bool f16, bool mixed, int bs, int big, int m
   return mid ? tile_and_scales(&m->bm, &m->sm, mid) : NULL;
 }
 
-/* One kernel of BS-wide tiles: in modes 1 and 4 the ONE kernel where every
- * reference of the matrix is 0 (one), else the one with references. */
+/* One kernel of BS-wide tiles: in modes 1, 3 and 4 the ONE kernel where
+ * every reference of the matrix is 0 (one), else the one with references
+ * (mode 2's records have none). */
 template <int MODE, int GEMM, int BS, int CPS>
 mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, cudaStream_t st) {
-  constexpr bool kOneKernels = MODE == 1 || MODE == 4;
+  constexpr bool kOneKernels = MODE != 2;
   if (kOneKernels && one) return launch<MODE, GEMM, BS, CPS, kOneKernels>(p, m, max_ctas, st);
   return launch<MODE, GEMM, BS, CPS>(p, m, max_ctas, st);
 }
@@ -1897,8 +1899,8 @@ mm_err *run_mode(const mm_sm90_layer *L, const mm_expert_pool *pool, float clamp
   p.rs = L->d_rs13;
   p.rows = 2 * I;
   p.K = H;
-  /* modes 1 and 4 (mode 1's records): the kernels without the reference
-   * multiply where every reference of the matrix is 0 (Kern's ONE) */
+  /* modes 1, 3 and 4: the kernels without the reference multiply where
+   * every reference of the matrix is 0 (Kern's ONE) */
   MM_TRY((launch_gemm<MODE, 1, BS, CPS, BS2>(p, L->refs_zero13, m1, m1w, o.max_ctas, st)));
   /* L2 */
   p.mat_off = L->w13_bytes;
