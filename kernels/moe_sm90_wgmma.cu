@@ -88,9 +88,10 @@
  * faster than one CTA per SM) and a double-buffered 16/32-wide FP8 loop
  * for every tile of the mixed kernels (mode 1 0-4% faster, mode 3 up to 5%
  * faster but the 64-wide tiles 5-6% slower; version 11: version 14 keeps
- * it for the 16/32-wide tiles only, Kern::k_loop_db); version 12: a banded unit order (8 token tiles of
- * an expert against all its row blocks, for L2 reuse with a skewed expert:
- * equal at M = 16384-32768 skewed, 2-3% slower at 1024), mode 2 without the
+ * it for the 16/32-wide tiles only, Kern::k_loop_db); version 12: a
+ * banded unit order (8 token tiles of an expert against all its row blocks,
+ * for L2 reuse with a skewed expert: equal at M = 16384-32768 skewed, 2-3%
+ * slower at 1024), mode 2 without the
  * fold table's shared memory (one more stage in the L1 16-64-wide kernels:
  * equal), mode 2's scale pairs made in the decode again (2-3% slower) and
  * the 128/160-wide promotion's token scales loaded ahead of the MMA waits

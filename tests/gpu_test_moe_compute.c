@@ -59,7 +59,8 @@ static void make_expert(mm_expert_q *x, int H, int I, mm_weight_mode mode, int e
           /* Mode 3's row anchor: a scale of at least 10 (0x52) in every
            * 128-column block, so that every block's reference is 2^-2
            * (6 * max |s| in (56, 112]) and the packer moves it into the row
-           * factor (the prefill path takes only such layers). A block
+           * factor (the prefill path takes only such layers, the WGMMA path
+           * runs its kernels without the reference multiply on them). A block
            * maximum of 16 above the range instead made one group per block
            * dominate its dots, and the end-to-end error reached 9.5% of a
            * fold error of 1.5% (seeds 1796369289, 1796258495; every path
