@@ -400,6 +400,16 @@ __global__ void silu_table_kernel() {
  * % 4): the m64nN fragment holds column 8 * (k / 2) + 2q + (k & 1) in
  * register 4 * (k / 2) + (k & 1) (row r0) and in that + 2 (row r0 + 8). */
 __device__ __forceinline__ int acc_col(int k, int q) { return 8 * (k >> 1) + 2 * q + (k & 1); }
+/* A consumer thread's place in its warpgroup's m64 fragments: thread tid =
+ * 32 w + 4 g + q owns rows r0 = 16 w + g and r0 + 8 of each tile and the
+ * token columns acc_col(k, q). */
+struct FragPlace {
+  int tid, w, lane, g, q, r0;
+};
+__device__ __forceinline__ FragPlace frag_place() {
+  const int tid = threadIdx.x % 128, w = tid / 32, lane = tid % 32, g = lane / 4;
+  return {tid, w, lane, g, lane % 4, 16 * w + g};
+}
 /* The first N of an accumulator array's R registers: the m64nN fragment of
  * its first N token columns (acc_col's layout puts them first). */
 template <int N, int R>
@@ -924,9 +934,8 @@ struct Kern {
     constexpr int kMid = NP / 2 + (NP / 2 + 1) / 2;
     constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
-    const int tid = threadIdx.x % 128;
-    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 */
+    const FragPlace at = frag_place();
+    const int tid = at.tid, q = at.q, r0 = at.r0;
     const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
     const int KB = p.K / 128;
     uint32_t a[4][2][4];   /* A fragments: [chunk][k16 step (F16)][register] */
@@ -1073,9 +1082,8 @@ struct Kern {
     using C = Cfg<MODE, BN>;
     constexpr int NC = BN / 4;
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
-    const int tid = threadIdx.x % 128;
-    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * w + g;
+    const FragPlace at = frag_place();
+    const int tid = at.tid, q = at.q, r0 = at.r0;
     const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
     const int KB = p.K / 128;
     uint32_t a[2][4][TPW][2][4]; /* [buffer][chunk][tile][step][register]; step 0 only */
@@ -1177,9 +1185,8 @@ struct Kern {
     static_assert(NW % 8 == 0 && NW <= BN, "an MMA width of the tile");
     constexpr int NC = NW / 4; /* token columns per thread in the MMAs */
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
-    const int tid = threadIdx.x % 128;
-    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * w + g;
+    const FragPlace at = frag_place();
+    const int tid = at.tid, q = at.q, r0 = at.r0;
     const uint2 *lut = (const uint2 *)(sm + S::kOffLut);
     const int KB = p.K / 128;
     /* Pinned offsets: the thread's byte offsets into a stage, fixed for the
@@ -1333,9 +1340,8 @@ struct Kern {
     using C = Cfg<MODE, BN>;
     constexpr int NR = BN / 2; /* accumulator registers per m64 tile */
     constexpr int NC = BN / 4; /* token columns per thread */
-    const int tid = threadIdx.x % 128;
-    const int w = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
-    const int r0 = 16 * w + g; /* local rows r0 and r0 + 8 of each tile */
+    const FragPlace at = frag_place();
+    const int tid = at.tid, w = at.w, lane = at.lane, g = at.g, q = at.q, r0 = at.r0;
     /* 128-wide tiles, L1: the first half's SwiGLU outputs (channel 32 c + lc
      * of the unit's 128), kept for the second half's FP8 scale */
     float av0[kWide && GEMM == 1 ? NC : 1];
