@@ -249,11 +249,13 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
  * rows per local expert from which it runs (AUTO) and from which a plan
  * holds its workspace region, each mode's crossover with the WGMMA kernels
  * (H200, sustained, GLM-5 at EP8, uniform and random loads; docs/PERF.md,
- * version 26). Mode 1: 2-4% slower than the WGMMA kernels at 768, 4-8%
- * faster at 896. Mode 3, whose WGMMA kernels are the slower ones: 7-19%
- * slower at 384, 1-3% faster at 448 and 1-5% at 512. */
+ * versions 26 and 34). Mode 1: 2-4% slower than the WGMMA kernels at 768,
+ * 4-8% faster at 896. Mode 3 (version 34, its WGMMA kernels without
+ * reference factors): 5% slower at 608 rows, at 640 5% slower on uniform
+ * loads (five 128-wide tiles) and 4% faster on random ones, 4-9% faster
+ * at 672. */
 #define MM_SM90_PREFILL_MIN_ROWS_G32 800
-#define MM_SM90_PREFILL_MIN_ROWS_G16 448
+#define MM_SM90_PREFILL_MIN_ROWS_G16 640
 MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
   return mode == MM_WMODE_G16_FP8 ? MM_SM90_PREFILL_MIN_ROWS_G16 : MM_SM90_PREFILL_MIN_ROWS_G32;
 }
