@@ -144,7 +144,11 @@
  * spilled 152-232 bytes; not run); version 31: the odd block's promotion
  * of that loop deferred to the next trip, beside the even block's MMAs, so
  * that every promotion runs beside MMAs (level at M = 640-1024, modes 1 and
- * 3: the promotion is not what holds it; branch proto/defer-promotion).
+ * 3: the promotion is not what holds it; branch proto/defer-promotion);
+ * version 35, for the F16 modes' 160-wide L1 kernels' one value in local
+ * memory across the K loop: 240 consumer registers (a 24-register
+ * producer; spills 76 -> 44 bytes, the one in the loop stays) and the next
+ * block's fetch after the MMAs retire (more spills; neither run).
  * In long runs the decode sizes reach the board's power cap, where each
  * half alone (the copies, the consumers) does not (docs/PERF.md, version
  * 31; ablation builds on branch proto/ablation-v31).
@@ -416,6 +420,13 @@ template <int N, int R>
 __device__ __forceinline__ float (&head(float (&a)[R]))[N] {
   static_assert(N <= R, "a prefix");
   return *reinterpret_cast<float(*)[N]>(&a[0]);
+}
+/* The last N of an accumulator array's R registers (k_loop_ahead: its
+ * second column half's m64n(2N) fragment). */
+template <int N, int R>
+__device__ __forceinline__ float (&tail(float (&a)[R]))[N] {
+  static_assert(N <= R, "a suffix");
+  return *reinterpret_cast<float(*)[N]>(&a[R - N]);
 }
 
 /* mma<FP8, N>: one m64nNk32 (FP8 E4M3) or m64nNk16 (F16) WGMMA, A from
@@ -988,7 +999,7 @@ struct Kern {
      * version 8); one group of m64n128 MMAs ran mode 4 5-7% and mode 2 3-4%
      * slower (version 9). */
     float(&acc_lo)[NH / 2] = head<NH / 2>(acc);
-    float(&acc_hi)[NH / 2] = *reinterpret_cast<float(*)[NH / 2]>(&acc[NH / 2]);
+    float(&acc_hi)[NH / 2] = tail<NH / 2>(acc);
     auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs (F16: 2 x 8) */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
       if (kPingPong) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
@@ -1223,9 +1234,6 @@ struct Kern {
        * records rather than in the decode: 1-3% faster at M = 256-2048
        * (docs/PERF.md, version 9); the two-CTA kernels spill with them */
       uint32_t sc[kScalesAhead ? TPW : 1][2][4];
-      auto scale_of = [&](int j, int rr, int ch) {
-        return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][ch] : scale_pair(sb[j][rr], ch);
-      };
 #pragma unroll
       for (int j = 0; j < TPW; j++) {
         const uint8_t *R = sA + j * C::kRec;
@@ -1246,6 +1254,11 @@ struct Kern {
                                                                                  : C::kRefOff + 2 * r)));
         }
       }
+      /* defined once sb and sc hold the block's values (a capture before
+       * that draws nvcc's "used before its value is set", #549-D) */
+      auto scale_of = [&](int j, int rr, int ch) {
+        return kScalesAhead ? sc[kScalesAhead ? j : 0][rr][ch] : scale_pair(sb[j][rr], ch);
+      };
 #pragma unroll
       for (int j = 0; j < TPW; j++) fence_acc(head<NW / 2>(acc[j]));
       /* A registers: a chunk's stay untouched until its MMAs retire. The
@@ -1342,8 +1355,17 @@ struct Kern {
     constexpr int NC = BN / 4; /* token columns per thread */
     const FragPlace at = frag_place();
     const int tid = at.tid, w = at.w, lane = at.lane, g = at.g, q = at.q, r0 = at.r0;
-    /* 128-wide tiles, L1: the first half's SwiGLU outputs (channel 32 c + lc
-     * of the unit's 128), kept for the second half's FP8 scale */
+    /* 128- and 160-wide tiles, L1: the first half's SwiGLU outputs (channel
+     * 32 c + lc of the unit's 128), kept for the second half's FP8 scale.
+     * The F16 modes' 160-wide tiles stash them in the staging tile, free
+     * until the second half's epilogue and as large as they are (each
+     * thread's own, [value][thread]: no barrier, no bank conflicts). In
+     * registers across the second half's K loop, beside the F16 A
+     * fragments, they had ptxas keep a value in local memory there, and the
+     * stash runs those tiles 2-4% faster (docs/PERF.md, version 35); at
+     * 128-wide tiles, which do not spill, mode 4 ran 1-4% slower with it. */
+    constexpr bool kStash = GEMM == 1 && CM::kF16 && BN == 160;
+    static_assert(!kStash || NC * 128 * kConsumers * 4 <= S::kStaging, "the stash fits the staging tile");
     float av0[kWide && GEMM == 1 ? NC : 1];
 #pragma unroll 1
     for (int h = 0; h < kHalves; h++) {
@@ -1422,11 +1444,18 @@ struct Kern {
             amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
           }
         }
+        float *stash = (float *)stg;
         if (kWide && h == 0) { /* the second half completes the channels */
 #pragma unroll
-          for (int k = 0; k < NC; k++) av0[k] = av[0][k];
+          for (int k = 0; k < NC; k++) {
+            if (kStash) stash[k * 128 * kConsumers + ct] = av[0][k];
+            else av0[k] = av[0][k];
+          }
           continue;
         }
+        if (kStash) /* before the barrier below: the staging stores follow it */
+#pragma unroll
+          for (int k = 0; k < NC; k++) av0[k] = stash[k * 128 * kConsumers + ct];
         if (kWide)
 #pragma unroll
           for (int k = 0; k < NC; k++) amx[k] = fmaxf(amx[k], fabsf(av0[k]));
@@ -2022,10 +2051,14 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
    *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
    * - mode 2 at 13-16 and mode 4 at <= 16: 16-wide tiles at one CTA;
-   * - FP8 modes 21-32, F16 modes 17-48: 32-wide tiles, 64-wide ones for the
+   * - FP8 modes 21-59, F16 modes 17-48: 32-wide tiles, 64-wide ones for the
    *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
-   *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed);
-   * - up to 59: 64-wide tiles;
+   *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed; in
+   *   the FP8 modes, whose large tiles of 33-40 rows run m64n40 MMAs, at
+   *   34-40 rows 11-16% faster on even loads and 7-15% routed, at 44-60
+   *   within 1% even and 1% slower to 4% faster routed, skewed loads 13-17%
+   *   faster throughout: docs/PERF.md, version 35);
+   * - F16 modes 49-59: 64-wide tiles;
    * - 60-104: the 64+128 launch pair, 128-wide tiles for the experts above
    *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
    *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
@@ -2039,7 +2072,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 32 : 48) ? 32 : avg <= 104 ? 64 : 128;
+  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 59 : 48) ? 32 : avg <= 104 ? 64 : 128;
   int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
