@@ -2051,14 +2051,17 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
    *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
    * - mode 2 at 13-16 and mode 4 at <= 16: 16-wide tiles at one CTA;
-   * - FP8 modes 21-59, F16 modes 17-48: 32-wide tiles, 64-wide ones for the
+   * - FP8 modes 21-59, F16 modes 17-56: 32-wide tiles, 64-wide ones for the
    *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
-   *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed; in
-   *   the FP8 modes, whose large tiles of 33-40 rows run m64n40 MMAs, at
-   *   34-40 rows 11-16% faster on even loads and 7-15% routed, at 44-60
-   *   within 1% even and 1% slower to 4% faster routed, skewed loads 13-17%
-   *   faster throughout: docs/PERF.md, version 35);
-   * - F16 modes 49-59: 64-wide tiles;
+   *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed;
+   *   at 49-56, whose large tiles run m64n56 MMAs, 4-7% even, 1-6% routed
+   *   and 13-19% skewed, at 59 up to 4% slower on even loads; in the FP8
+   *   modes, whose large tiles of 33-40 rows run m64n40 MMAs, at 34-40 rows
+   *   11-16% faster on even loads and 7-15% routed, at 44-60 within 1% even
+   *   and 1% slower to 4% faster routed, skewed loads 13-17% faster
+   *   throughout; against the 64+128 pair at 60-64 routed loads 6-9%
+   *   slower in all modes: docs/PERF.md, version 35);
+   * - F16 modes 57-59: 64-wide tiles;
    * - 60-104: the 64+128 launch pair, 128-wide tiles for the experts above
    *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
    *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
@@ -2072,7 +2075,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 59 : 48) ? 32 : avg <= 104 ? 64 : 128;
+  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 104 ? 64 : 128;
   int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
