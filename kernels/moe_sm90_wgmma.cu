@@ -1365,7 +1365,8 @@ struct Kern {
      * stash runs those tiles 2-4% faster (docs/PERF.md, version 35); at
      * 128-wide tiles, which do not spill, mode 4 ran 1-4% slower with it. */
     constexpr bool kStash = GEMM == 1 && CM::kF16 && BN == 160;
-    static_assert(!kStash || NC * 128 * kConsumers * 4 <= S::kStaging, "the stash fits the staging tile");
+    static_assert(!kStash || NC * 128 * kConsumers * 4 <= S::kStaging,
+                  "the stash fits the staging tile");
     float av0[kWide && GEMM == 1 ? NC : 1];
 #pragma unroll 1
     for (int h = 0; h < kHalves; h++) {

@@ -6,11 +6,12 @@
 
 /* Measured on an H200: one EP8 rank of GLM-5 (32 local experts, H 6144,
  * I 2048), bench_moe_compute medians in microseconds (`--profile-only
- * --iters 20`), uniform routing, version 35's kernels and launch rules,
- * mean of two runs. Modes 1, 3 and 4 with per-block references
- * (`--block-refs`), the slower of their two forms (where every row takes
- * the packer's row anchor, modes 1 and 3 take the prefill path at M =
- * 32768: mode 3 about 3000 us in the same call).
+ * --iters 20`), uniform routing, version 34's kernels and launch rules
+ * (version 35's are the same at these three M), mean of two runs. Modes
+ * 1, 3 and 4 with per-block references (`--block-refs`), the slower of
+ * their two forms (where every row takes the packer's row anchor, modes 1
+ * and 3 take the prefill path at M = 32768: mode 3 about 3000 us in the
+ * same call).
  * Source: docs/PERF.md, version 35 (call 1). */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
