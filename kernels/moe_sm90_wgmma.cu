@@ -1445,18 +1445,19 @@ struct Kern {
             amx[k] = fmaxf(amx[k], fabsf(av[j][k]));
           }
         }
-        float *stash = (float *)stg;
+        /* the thread's slot of value k in the stash, [value][thread] */
+        auto stash = [&](int k) -> float & { return ((float *)stg)[k * 128 * kConsumers + ct]; };
         if (kWide && h == 0) { /* the second half completes the channels */
 #pragma unroll
           for (int k = 0; k < NC; k++) {
-            if (kStash) stash[k * 128 * kConsumers + ct] = av[0][k];
+            if (kStash) stash(k) = av[0][k];
             else av0[k] = av[0][k];
           }
           continue;
         }
         if (kStash) /* before the barrier below: the staging stores follow it */
 #pragma unroll
-          for (int k = 0; k < NC; k++) av0[k] = stash[k * 128 * kConsumers + ct];
+          for (int k = 0; k < NC; k++) av0[k] = stash(k);
         if (kWide)
 #pragma unroll
           for (int k = 0; k < NC; k++) amx[k] = fmaxf(amx[k], fabsf(av0[k]));
