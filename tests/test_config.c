@@ -15,6 +15,7 @@
 
 #include "config.h"
 #include "harness.h"
+#include "layout_sm90.h"
 
 static const char *SRC = "t.yaml"; /* name of text configs in messages */
 
@@ -177,6 +178,18 @@ static void test_shipped_file_and_docs(void) {
     CHECK_MSG(strstr(doc, want) != NULL, "docs/CONFIG.md lacks %s", want);
   }
   CHECK(n >= 20);
+  /* compute.prefill-path's thresholds, as both files state them, are the
+   * code's (a moved crossover must move its documentation too) */
+  const int g32 = mm_sm90_prefill_min_rows(MM_WMODE_G32_FP8);
+  const int g16 = mm_sm90_prefill_min_rows(MM_WMODE_G16_FP8);
+  char want[160];
+  snprintf(want, sizeof want, "prefill path from %d rows per local expert", g32);
+  CHECK_MSG(strstr(text, want) != NULL, "conf/megamoe.yaml lacks \"%s\"", want);
+  snprintf(want, sizeof want, "or %d (group16, mode 3)", g16);
+  CHECK_MSG(strstr(text, want) != NULL, "conf/megamoe.yaml lacks \"%s\"", want);
+  snprintf(want, sizeof want, "averaging %d rows or more per local expert in mode 1, %d in mode 3",
+           g32, g16);
+  CHECK_MSG(strstr(doc, want) != NULL, "docs/CONFIG.md lacks \"%s\"", want);
 out:
   free(text);
   free(doc);
