@@ -2052,8 +2052,13 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   there, whose weights the two-CTA kernels decode twice: at 14-16 rows
    *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
    *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
-   * - mode 2 at 13-16 and mode 4 at <= 16: 16-wide tiles at one CTA;
-   * - FP8 modes 21-59, F16 modes 17-56: 32-wide tiles, 64-wide ones for the
+   * - mode 2 at 13-22 and mode 4 at <= 22: 16-wide tiles at one CTA, 32-wide
+   *   ones for the larger experts (mode 2's with m64n24 MMAs up to 24 rows;
+   *   mode 4's as middle tiles). Against the 32-wide kernels at 17-22 rows
+   *   mode 2 3-10% faster on every load, mode 4 level on even loads, 0-5%
+   *   faster routed and 11-13% skewed; at 23-24 mode 2 routed 6-9% slower
+   *   (docs/PERF.md, version 36);
+   * - FP8 modes 21-59, F16 modes 23-56: 32-wide tiles, 64-wide ones for the
    *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
    *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed;
    *   at 49-56, whose large tiles run m64n56 MMAs, 4-7% even, 1-6% routed
@@ -2077,7 +2082,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int bn = avg <= (fp8 ? 20 : 16) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 104 ? 64 : 128;
+  int bn = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 104 ? 64 : 128;
   int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
