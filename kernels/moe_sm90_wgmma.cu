@@ -2055,9 +2055,10 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * - mode 2 at 13-22 and mode 4 at <= 22: 16-wide tiles at one CTA, 32-wide
    *   ones for the larger experts (mode 2's with m64n24 MMAs up to 24 rows;
    *   mode 4's as middle tiles). Against the 32-wide kernels at 17-22 rows
-   *   mode 2 3-10% faster on every load, mode 4 level on even loads, 0-5%
-   *   faster routed and 11-13% skewed; at 23-24 mode 2 routed 6-9% slower
-   *   (docs/PERF.md, version 36);
+   *   mode 2 5-7% faster on even loads, 2-10% routed and 5-12% skewed; mode
+   *   4 level on even loads, 1% slower to 5% faster routed and 9-13% faster
+   *   skewed; at 23-24 rows mode 2 routed 6-9% slower (docs/PERF.md,
+   *   version 36);
    * - FP8 modes 21-59, F16 modes 23-56: 32-wide tiles, 64-wide ones for the
    *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
    *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed;
