@@ -27,7 +27,7 @@
  * (32) of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
  * wide, first (Kern::kMid); a large tile of a few rows more than those
- * runs narrower MMAs (Kern::kNarrow). With 60-104 rows per expert, a
+ * runs narrower MMAs (Kern::kNarrow). With 60-112 rows per expert, a
  * launch pair gives the experts above 64 rows 128-wide tiles. With 128
  * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
  * and a unit's 256 rows are two halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
@@ -2070,20 +2070,22 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   throughout; against the 64+128 pair at 60-64 routed loads 6-9%
    *   slower in all modes: docs/PERF.md, version 35);
    * - F16 modes 57-59: 64-wide tiles;
-   * - 60-104: the 64+128 launch pair, 128-wide tiles for the experts above
+   * - 60-112: the 64+128 launch pair, 128-wide tiles for the experts above
    *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
    *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
    *   routed -9 to +3%, even loads -4 to +2%, skewed 17-26% faster: its
-   *   small experts take 64-wide tiles, not 128; at 116-128 routed 10-43%
-   *   slower, where experts above 128 rows take two 128-wide tiles);
-   * - above 104: the 128+160 pair (run_mode's BS2): each expert gets 128- or
+   *   small experts take 64-wide tiles, not 128; at 112 skewed 23-25% and
+   *   routed 1-2% faster, even loads within 1% (version 36); at 116-128
+   *   routed 10-43% slower, where experts above 128 rows take two 128-wide
+   *   tiles);
+   * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
    *   160-wide tiles, whichever covers its rows with less waste
    *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
    *   against 64-wide ones, 17-24% faster from 96 rows per expert up. */
   const int rows = pool->rows_hint > 0 ? pool->rows_hint : pool->num_rows_max;
   const int avg = (rows + L->E - 1) / L->E;
   const bool fp8 = L->mode == MM_WMODE_G32_FP8 || L->mode == MM_WMODE_G16_FP8;
-  int bn = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 104 ? 64 : 128;
+  int bn = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 112 ? 64 : 128;
   int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
