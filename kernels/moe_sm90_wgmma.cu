@@ -2040,7 +2040,7 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    * device; the caller's rows hint, else the capacity). Small tiles in the
    * decode regime waste no MMA and promotion work; experts with more rows
    * than the tile get larger ones (mixed tiles, Kern::kBig, kMid). By
-   * average rows per expert (docs/PERF.md, versions 3, 10, 14 and 18):
+   * average rows per expert (docs/PERF.md, versions 3, 10, 14, 18, 35, 36):
    * - FP8 modes and mode 2, <= 12: 16-wide tiles at two CTAs per SM (twice
    *   the warps to hide the decode's latency; FP8 modes 2-7% faster than one
    *   CTA on even and routed loads, 6-10% slower when one expert takes half
@@ -2074,8 +2074,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
    *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
    *   routed -9 to +3%, even loads -4 to +2%, skewed 17-26% faster: its
-   *   small experts take 64-wide tiles, not 128; at 112 skewed 23-25% and
-   *   routed 1-2% faster, even loads within 1% (version 36); at 116-128
+   *   small experts take 64-wide tiles, not 128; at 105-112 skewed 23-26%
+   *   faster, even and routed loads within 2% (version 36); at 116-128
    *   routed 10-43% slower, where experts above 128 rows take two 128-wide
    *   tiles);
    * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
