@@ -67,8 +67,8 @@ fi
 : > "$log"
 TILE_SWEEP_SHAPES="TOKEN_TILE=64,MIXED_TILES=0" \
   bash "$s/scripts/tile_sweep.sh" "$tmp/bench" 1 --gran-k 16 --M 512 > "$tmp/out" 2> "$tmp/err"
-calls=$(sort "$log" | tr '\n' ';')
-want_calls="64 0 | --gran-k 16 --M 512 --path wgmma --profile-only --iters 20 --warmup-ms 500;auto - | --gran-k 16 --M 512 --path wgmma --profile-only --iters 20 --warmup-ms 500;"
+calls=$(tr '\n' ';' < "$log") # in run order: auto first
+want_calls="auto - | --gran-k 16 --M 512 --path wgmma --profile-only --iters 20 --warmup-ms 500;64 0 | --gran-k 16 --M 512 --path wgmma --profile-only --iters 20 --warmup-ms 500;"
 if [ "$calls" = "$want_calls" ] && grep -q '^| 512 uniform | 200.0 | 250.0 (+25%) | auto |$' "$tmp/out"; then
   echo "ok 4 - auto added first, a shape of two overrides, the caller's bench arguments"
 else
