@@ -12,7 +12,7 @@
  *
  *   bench_moe_compute [--gran-k 16|32] [--requant] [--compute fp8|bf16-exact]
  *     [--E n] [--H n] [--I n] [--M a,b,c] [--iters n] [--path wgmma|simt|prefill|auto]
- *     [--profile-only] [--block-refs] [--loads uniform,skewed,random] [--out-rows]
+ *     [--profile-only] [--block-refs] [--loads uniform,skewed,random,zipf] [--out-rows]
  *     [--prefill-experts n]
  * Weight mode as the backend picks it: gran 32 -> mode 1 (FP8 QGMMA), with
  * --compute bf16-exact mode 4 (F16 HGMMA on mode 1's records); gran 16 ->
@@ -21,10 +21,13 @@
  * --profile-only: only the expert compute (for ncu / nsys), no baselines;
  * --block-refs (modes 1, 3, 4): every block keeps its rows' reference exponent
  * (rows without the packer's row anchor) instead of reference 0 everywhere;
- * --loads: which expert loads to run per M (default all three): uniform (M / E
- * rows each), skewed (expert 0 takes half) and random (each row routed to an
- * expert drawn uniformly, fixed seed: the spread of real routing, where about
- * half the experts hold more than the average);
+ * --loads: which expert loads to run per M (default the first three): uniform
+ * (M / E rows each), skewed (expert 0 takes half), random (each row routed to
+ * an expert drawn uniformly, fixed seed: the spread of real routing, where
+ * about half the experts hold more than the average) and zipf (each row's
+ * expert drawn with probability proportional to 1 / (e + 1), fixed seed: a
+ * few hot experts between random and skewed; with 32 experts the first takes
+ * about 8 times the average rows, the last a quarter of it);
  * --out-rows: the pool's rows go to out rows through a map (a fixed random
  * permutation), as the expert-parallel path has them write straight into the
  * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
@@ -83,8 +86,8 @@ static void compute_set(const mm_sm90_layer *L, const input_set *s, int M, void 
 int main(int argc, char **argv) {
   int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
   int profile_only = 0, block_refs = 0, out_rows = 0;
-  int loads[3] = {1, 1, 1}; /* uniform, skewed, random */
-  static const char *const kLoadName[3] = {"uniform", "skewed", "random"};
+  int loads[4] = {1, 1, 1, 0}; /* uniform, skewed, random, zipf */
+  static const char *const kLoadName[4] = {"uniform", "skewed", "random", "zipf"};
   mm_sm90_path path = MM_SM90_PATH_AUTO;
   int prefill_experts = MM_SM90_PREFILL_EXPERTS_DEFAULT;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
@@ -109,12 +112,12 @@ int main(int argc, char **argv) {
                                      : MM_SM90_PATH_WGMMA,
       i++;
     else if (!strcmp(a, "--loads")) {
-      loads[0] = loads[1] = loads[2] = 0;
+      loads[0] = loads[1] = loads[2] = loads[3] = 0;
       for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {
         int k = 0;
-        while (k < 3 && strcmp(t, kLoadName[k])) k++;
-        if (k == 3) {
-          fprintf(stderr, "--loads: unknown load %s (uniform, skewed, random)\n", t);
+        while (k < 4 && strcmp(t, kLoadName[k])) k++;
+        if (k == 4) {
+          fprintf(stderr, "--loads: unknown load %s (uniform, skewed, random, zipf)\n", t);
           return 2;
         }
         loads[k] = 1;
@@ -227,26 +230,36 @@ int main(int argc, char **argv) {
          "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   for (int mi = 0; mi < nM; mi++)
-    for (int load = 0; load < 3; load++) {
+    for (int load = 0; load < 4; load++) {
       if (!loads[load]) continue;
       const int M = Ms[mi];
       int *offs = malloc(sizeof(int) * (E + 1));
       /* uniform: M/E each; skewed: expert 0 takes half, the rest share the
-       * rest; random: each row's expert drawn uniformly (xorshift, seeded by
-       * M, so every build sees the same counts) */
+       * rest; random and zipf: each row's expert drawn (xorshift, seeded by
+       * M, so every build sees the same counts), uniformly or with weight
+       * 1 / (e + 1) */
       int *cnt = calloc((size_t)E, sizeof(int));
+      double zsum = 0.0;
+      for (int e = 0; e < E; e++) zsum += 1.0 / (e + 1);
       uint32_t rng = 0x9E3779B9u ^ (uint32_t)M;
-      for (int r = 0; load == 2 && r < M; r++) {
+      for (int r = 0; load >= 2 && r < M; r++) {
         rng ^= rng << 13;
         rng ^= rng >> 17;
         rng ^= rng << 5;
-        cnt[(int)(((uint64_t)rng * (uint64_t)E) >> 32)]++;
+        int e = (int)(((uint64_t)rng * (uint64_t)E) >> 32);
+        if (load == 3) { /* the first expert whose cumulative weight passes u */
+          const double u = rng / 4294967296.0 * zsum;
+          double acc = 1.0;
+          e = 0;
+          while (e < E - 1 && acc <= u) acc += 1.0 / (++e + 1);
+        }
+        cnt[e]++;
       }
       int most = 0;
       offs[0] = 0;
       for (int e = 0; e < E; e++) {
         int c;
-        if (load == 2) c = cnt[e];
+        if (load >= 2) c = cnt[e];
         else if (load == 0) c = M / E + (e < M % E);
         else if (e == 0) c = E > 1 ? M / 2 : M;
         else c = (M - M / 2) / (E - 1) + (e - 1 < (M - M / 2) % (E - 1));
@@ -345,7 +358,7 @@ int main(int argc, char **argv) {
       baseline_cells(lt16_ms, ms, lt16, ratio16);
       char note[32] = "";
       if (load == 1) snprintf(note, sizeof note, " (e0: M/2)");
-      if (load == 2) snprintf(note, sizeof note, " (max %d)", most);
+      if (load >= 2) snprintf(note, sizeof note, " (max %d)", most);
       printf("| %d %s | %.0f%s | %.1f | %.1f | %.2f | %s | %s | %s | %s | %s | %s | %s |\n", M,
              kLoadName[load], (double)M / E, note, ms * 1e3, tf, wtbs, hbm, pk, pk16, lt, ratio,
              lt16, ratio16);

@@ -28,7 +28,8 @@
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
  * wide, first (Kern::kMid); a large tile of a few rows more than those
  * runs narrower MMAs (Kern::kNarrow). With 60-112 rows per expert, a
- * launch pair gives the experts above 64 rows 128-wide tiles. With 128
+ * launch pair gives the experts above 64 rows 128-wide tiles (the others
+ * 64-wide ones, at 65-76 rows the 32-wide kernels' tiles). With 128
  * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
  * and a unit's 256 rows are two halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
@@ -273,7 +274,7 @@ struct Params {
   int wide_above;        /* a pair's wide tiles: 0: the 160-wide ones where
                             mm_sm90_wide_tiles says so (the 128+160 pair);
                             n: the 128-wide ones for experts above n rows
-                            (the 64+128 pair) */
+                            (the 64+128 and 32+128 pairs: 64) */
   int pair_role;         /* 0: a single launch; 1 / 2: the first / second of a
                             launch pair (Kern::produce) */
   const float *row_weight;
@@ -1859,9 +1860,10 @@ mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, 
  * the 160-wide launch first; where no expert takes it (even loads of a
  * multiple of 128 rows), its CTAs find no units and leave as soon as the
  * kernel before it has finished, a few microseconds (measured 1-3% at such
- * loads). 64+128 (60-64 rows per expert): the 64-wide launch first, so that
- * it keeps its overlap with the kernel before it; an empty 128-wide launch
- * after it costs 1-4% (docs/PERF.md, version 14). The second launch starts
+ * loads). 64+128 and 32+128 (60-112 rows per expert): the 64-wide (32-wide
+ * mixed) launch first, for the experts of at most 64 rows, so that it keeps
+ * its overlap with the kernel before it; an empty 128-wide launch after it
+ * costs 1-4% (docs/PERF.md, version 14). The second launch starts
  * beside the first one's last units, and the next GEMM waits for both
  * (Kern::produce). one: the matrix's references are all 0 (launch_refs). */
 template <int MODE, int GEMM, int BS, int CPS, int BS2>
@@ -1874,7 +1876,9 @@ mm_err *launch_gemm(Params p, bool one, const TileMaps &m, const TileMaps &m2, i
     p.width_class = 1;
     p.pair_role = 2;
   } else if constexpr (BS2 != 0) {
-    p.wide_above = BS;
+    /* the first launch takes the experts its own tiles cover: 64 rows in
+     * the 64-wide kernels and the 32-wide mixed ones (their large tiles) */
+    p.wide_above = Kern<MODE, GEMM, BS, CPS>::kBNMax;
     p.width_class = 1;
     p.pair_role = 1;
     MM_TRY((launch_refs<MODE, GEMM, BS, CPS>(p, one, m, max_ctas, st)));
@@ -2070,14 +2074,22 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   throughout; against the 64+128 pair at 60-64 routed loads 6-9%
    *   slower in all modes: docs/PERF.md, version 35);
    * - F16 modes 57-59: 64-wide tiles;
-   * - 60-112: the 64+128 launch pair, 128-wide tiles for the experts above
-   *   64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
+   * - 60-64 and 77-112: the 64+128 launch pair, 128-wide tiles for the
+   *   experts above 64 rows (at 60-64 routed 6-11% faster than 64-wide alone, even loads
    *   1-4% slower: the empty launch; at 66-104 against the 128+160 pair
    *   routed -9 to +3%, even loads -4 to +2%, skewed 17-26% faster: its
    *   small experts take 64-wide tiles, not 128; at 105-112 skewed 23-26%
    *   faster, even and routed loads within 2% (version 36); at 116-128
    *   routed 10-43% slower, where experts above 128 rows take two 128-wide
    *   tiles);
+   * - 65-76: the 32+128 pair, the experts of at most 64 rows on the 32-wide
+   *   kernels, whose 32-wide tiles and m64n40 MMAs fit the small experts of
+   *   a skewed load (about 30-40 rows): skewed loads 4-9% faster than on the
+   *   64+128 pair, even loads level (every expert is on the 128-wide
+   *   launch), routed ones 0-2% slower; at 60-64 even loads 1-4% slower
+   *   (their experts take the mixed kernels' 64-wide tiles), at 80 skewed
+   *   loads in the FP8 modes 1-3% slower (small experts of 41 rows take
+   *   64-wide tiles there too; docs/PERF.md, version 37);
    * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
    *   160-wide tiles, whichever covers its rows with less waste
    *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
@@ -2088,9 +2100,10 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   int bn = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 112 ? 64 : 128;
   int cps = (fp8 || L->mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
   bool pair = bn == 128 || (bn == 64 && avg >= 60);
+  if (avg >= 65 && avg <= 76) bn = 32; /* the 32+128 pair */
   /* overrides for tests and tuning (docs/CONFIG.md), read per call */
   const char *v = getenv("MEGAMOE_SM90_TOKEN_TILE");
-  if (v && (!strcmp(v, "128+160") || !strcmp(v, "64+128"))) {
+  if (v && (!strcmp(v, "128+160") || !strcmp(v, "64+128") || !strcmp(v, "32+128"))) {
     bn = atoi(v);
     pair = true;
   } else if (v && (atoi(v) == 16 || atoi(v) == 32 || atoi(v) == 64 || atoi(v) == 128 ||
@@ -2110,7 +2123,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
 #define MM_RUN_BN(m)                                                                   \
   return bn == 16 ? (cps == 2 ? run_mode<m, 16, 2>(L, pool, clamp, ws, o, stream)      \
                               : run_mode<m, 16, 1>(L, pool, clamp, ws, o, stream))     \
-         : bn == 32 ? run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream)                \
+         : bn == 32 ? (pair ? run_mode<m, 32, 1, 128>(L, pool, clamp, ws, o, stream)    \
+                            : run_mode<m, 32, 1>(L, pool, clamp, ws, o, stream))       \
          : bn == 64 ? (pair ? run_mode<m, 64, 1, 128>(L, pool, clamp, ws, o, stream)    \
                             : run_mode<m, 64, 1>(L, pool, clamp, ws, o, stream))       \
          : bn == 128 ? (pair ? run_mode<m, 128, 1, 160>(L, pool, clamp, ws, o, stream)  \
