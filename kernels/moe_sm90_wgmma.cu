@@ -29,7 +29,9 @@
  * wide, first (Kern::kMid); a large tile of a few rows more than those
  * runs narrower MMAs (Kern::kNarrow). With 60-112 rows per expert, a
  * launch pair gives the experts above 64 rows 128-wide tiles (the others
- * 64-wide ones, at 65-76 rows the 32-wide kernels' tiles). With 128
+ * 64-wide ones, at 65-76 rows the 32-wide kernels' tiles); a 128-wide
+ * tile of at most 112 rows issues its second column half's MMAs only as
+ * wide as its rows need (Kern::k_loop_ahead's NW2). With 128
  * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
  * and a unit's 256 rows are two halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
  * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
@@ -935,15 +937,26 @@ struct Kern {
    * 8). F16 modes, with turns (kPingPong): mode 4 5-6% and mode 2 2-4%
    * faster than the chunked loop with turns (version 9). fin / acc: the
    * tile's promoted and block accumulators. With ONE the promotion skips the
-   * reference multiply (x * 1.0f == x: the same sums bit for bit). */
-  template <int BN>
+   * reference multiply (x * 1.0f == x: the same sums bit for bit).
+   * NW2: the second half's MMA width, BN / 2 or (128-wide tiles of fewer
+   * rows) less, 0 for none: m64n<NW2> MMAs on its first NW2 columns, and
+   * only those promoted, so the rest of fin stays 0 for the epilogue. */
+  template <int BN, int NW2 = BN / 2>
   static __device__ __forceinline__ void k_loop_ahead(const Params &p, uint8_t *sm, const Unit &un,
                                                       int c, int &stage, uint32_t &phase,
                                                       float (&fin)[BN / 2], float (&acc)[BN / 2]) {
     using C = Cfg<MODE, BN>;
     constexpr int NH = BN / 2;  /* token columns per half */
+    /* A narrow loop's accumulators: arrays of its own. As slices of acc
+     * beside the full-width loop in the same kernel, ptxas serialized the
+     * MMAs of every 128-wide kernel (C7511); so it did with one loop that
+     * picked the width per block, and injected warpgroup.arrive (C7519). */
+    constexpr bool kFull = NW2 == NH;
+    float nlo[kFull ? 1 : NH / 2], nhi[kFull || !NW2 ? 1 : NW2 / 2];
     constexpr int NP = BN / 16; /* promotion parts of 8 registers */
-    constexpr int kMid = NP / 2 + (NP / 2 + 1) / 2;
+    static_assert(NW2 % 16 == 0 && NW2 <= NH, "a second half of whole promotion parts");
+    constexpr int NP2 = NP / 2 + NW2 / 16; /* the parts the MMAs write */
+    constexpr int kMid = NP / 2 + (NW2 / 16 + 1) / 2;
     constexpr int kSteps = C::kF16 ? 2 : 1; /* k16 F16 steps per k32 chunk */
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const FragPlace at = frag_place();
@@ -988,7 +1001,8 @@ struct Kern {
       for (int ii = 0; ii < 8; ii++) {
         const int i = 8 * part + ii, k = (i >> 2) * 2 + (i & 1);
         const float t = sS[acc_col(k, q)];
-        fin[i] = fmaf(acc[i], with_ref(t, sw[(i >> 1) & 1]), fin[i]);
+        const float v = kFull ? acc[i] : i < NH / 2 ? nlo[i] : nhi[i < NH / 2 ? 0 : i - NH / 2];
+        fin[i] = fmaf(v, with_ref(t, sw[(i >> 1) & 1]), fin[i]);
       }
     };
     /* The block's MMAs in two groups, one per half of the token columns:
@@ -999,15 +1013,29 @@ struct Kern {
      * otherwise wait for all of them: mode 1 3-4% faster (docs/PERF.md,
      * version 8); one group of m64n128 MMAs ran mode 4 5-7% and mode 2 3-4%
      * slower (version 9). */
-    float(&acc_lo)[NH / 2] = head<NH / 2>(acc);
-    float(&acc_hi)[NH / 2] = tail<NH / 2>(acc);
+    auto &acc_lo = [&]() -> auto & {
+      if constexpr (kFull) return head<NH / 2>(acc);
+      else return nlo;
+    }();
+    auto &acc_hi = [&]() -> auto & {
+      if constexpr (kFull) return tail<NH / 2>(acc);
+      else return nhi;
+    }();
+    auto fence_all = [&]() {
+      if constexpr (kFull) {
+        fence_acc(acc);
+      } else {
+        fence_acc(nlo);
+        if constexpr (NW2 > 0) fence_acc(nhi);
+      }
+    };
     auto issue = [&]() { /* the block's 4 chunks: 2 x 4 MMAs (F16: 2 x 8) */
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + stage * C::kB));
       if (kPingPong) named_sync(kTurn + c, 128 * kConsumers); /* my turn */
-      fence_acc(acc);
+      fence_all();
       wg_fence();
 #pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
+      for (int hf = 0; hf < (NW2 ? 2 : 1); hf++) {
 #pragma unroll
         for (int ch = 0; ch < 4; ch++)
 #pragma unroll
@@ -1017,20 +1045,24 @@ struct Kern {
             const int s = kSteps * ch + ss;
             const uint64_t d =
                 dB0 + (uint64_t)(((s >> 2) * C::kSlab + (s & 3) * 32 + hf * NH * 128) >> 4);
-            mma<!C::kF16, NH>(hf ? acc_hi : acc_lo, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2],
-                              a[ch][ss][3], d, s > 0);
+            if (hf == 0)
+              mma<!C::kF16, NH>(acc_lo, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2], a[ch][ss][3],
+                                d, s > 0);
+            else if constexpr (NW2 > 0)
+              mma<!C::kF16, NW2>(acc_hi, a[ch][ss][0], a[ch][ss][1], a[ch][ss][2],
+                                 a[ch][ss][3], d, s > 0);
           }
         wg_commit();
       }
       if (kPingPong) named_arrive(kTurn + (c ^ 1), 128 * kConsumers); /* the other's turn */
     };
     auto retire_lo = [&]() {
-      wg_wait<1>();
+      wg_wait<NW2 ? 1 : 0>();
       fence_acc(acc_lo);
     };
     auto retire = [&]() {
       wg_wait<0>();
-      fence_acc(acc);
+      fence_all();
     };
     auto release = [&]() { release_stage(empty, stage, phase); };
     mbar_wait(&full[stage], phase);
@@ -1056,7 +1088,7 @@ struct Kern {
       decode(0);
       decode(1);
 #pragma unroll
-      for (int pp = kMid; pp < NP; pp++) promote(pp);
+      for (int pp = kMid; pp < NP2; pp++) promote(pp);
       decode(2);
       decode(3);
       release();
@@ -1066,7 +1098,7 @@ struct Kern {
     issue();
     retire();
 #pragma unroll
-    for (int part = 0; part < NP; part++) promote(part);
+    for (int part = 0; part < NP2; part++) promote(part);
     release();
   }
 
@@ -1398,7 +1430,20 @@ struct Kern {
       };
       if (kEarly) load_factors();
 
-      if constexpr (BN >= 128) {
+      if constexpr (BN == 128) {
+        /* a tile of fewer rows: its second half's MMAs only as wide as its
+         * rows need (m64n16-48, none at <= 64 rows): the experts of 65-112
+         * rows on the launch pairs, the last tiles of larger ones. The MMAs
+         * of the padding columns had set the pace there: even loads of 65-96
+         * rows per expert 10-19% faster, routed ones 7-15%, skewed and zipf
+         * loads at 144 rows 7-12% (docs/PERF.md, version 37). One loop per
+         * width, each with accumulators of its own (k_loop_ahead). */
+        if (un.valid <= 64) k_loop_ahead<BN, 0>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        else if (un.valid <= 80) k_loop_ahead<BN, 16>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        else if (un.valid <= 96) k_loop_ahead<BN, 32>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        else if (un.valid <= 112) k_loop_ahead<BN, 48>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+        else k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
+      } else if constexpr (BN >= 128) {
         k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else if constexpr (kDoubleBuffer && BN <= 32) {
         k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);

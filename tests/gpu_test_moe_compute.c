@@ -692,8 +692,10 @@ static const int k_counts_big[] = {2100, 77, 0, 1930};
  * and 110 (64 + 46) full ones; in the F16 modes' 33-45 rows take the
  * middle tiles, 52 and 110's second tile m64n56 MMAs; forced 16-wide
  * tiles at one CTA per SM (gpu_suite.sh) give mode 2's 32-wide large tiles
- * of 1-20 rows m64n24 MMAs */
-static const int k_counts_widths[] = {45, 3, 33, 0, 110, 2, 52, 40, 1, 0};
+ * of 1-20 rows m64n24 MMAs; 128-wide tiles (the 64+128 and 32+128 pairs,
+ * TOKEN_TILE=128) every width of their second half: none at 1-52 rows,
+ * m64n16 at 70, n32 at 90, n48 at 110 (Kern::k_loop_ahead) */
+static const int k_counts_widths[] = {45, 3, 33, 70, 110, 2, 52, 40, 90, 0};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
