@@ -2126,7 +2126,8 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
    *   small experts take 64-wide tiles, not 128; at 105-112 skewed 23-26%
    *   faster, even and routed loads within 2% (version 36); at 116-128
    *   routed 10-43% slower, where experts above 128 rows take two 128-wide
-   *   tiles);
+   *   tiles and decode their weights twice; with narrow second halves
+   *   still 11-27% at 120-128, version 37);
    * - 65-76: the 32+128 pair, the experts of at most 64 rows on the 32-wide
    *   kernels, whose 32-wide tiles and m64n40 MMAs fit the small experts of
    *   a skewed load (about 30-40 rows): skewed loads 4-9% faster than on the
