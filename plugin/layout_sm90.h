@@ -345,6 +345,80 @@ MM_SM90_HD int mm_sm90_wide_tiles(int m) {
   return m > 0 && 121 * ((m + 159) / 160) <= 90 * ((m + 127) / 128);
 }
 
+/* The WGMMA path's launch shape (mm_sm90_run_wgmma) for an average of avg
+ * rows per local expert: the small experts' token tile, the second tile of
+ * a launch pair (0: one launch; 128: 128-wide tiles for the experts above
+ * 64 rows; 160: the 128+160 pair) and CTAs per SM. docs/CONFIG.md's table
+ * of launch shapes is this function's (tests/test_layout_sm90.c). Small
+ * tiles in the decode regime waste no MMA and promotion work; experts with
+ * more rows than the tile get larger ones (mixed tiles,
+ * kernels/moe_sm90_wgmma.cu's Kern::kBig, kMid). By average rows per
+ * expert (docs/PERF.md, versions 3, 10, 14, 18, 35-37):
+ * - FP8 modes and mode 2, <= 12: 16-wide tiles at two CTAs per SM (twice
+ *   the warps to hide the decode's latency; FP8 modes 2-7% faster than one
+ *   CTA on even and routed loads, 6-10% slower when one expert takes half
+ *   of the rows; mode 2 7-9% faster even and routed, 4-11% slower skewed
+ *   at 4-12 rows; mode 4 keeps one CTA: 2-5% faster, skewed up to 18%
+ *   slower);
+ * - FP8 modes, 13-20: 16-wide tiles at one CTA, 32-wide ones for the
+ *   experts above 16 rows. Routed loads put a sixth to half of the experts
+ *   there, whose weights the two-CTA kernels decode twice: at 14-16 rows
+ *   routed 16-22% faster, skewed 4-11%, even loads 2-4% slower; at 17-20
+ *   against 32-wide tiles routed 1-3% and skewed 9-13% faster;
+ * - mode 2 at 13-22 and mode 4 at <= 22: 16-wide tiles at one CTA, 32-wide
+ *   ones for the larger experts (mode 2's with m64n24 MMAs up to 24 rows;
+ *   mode 4's as middle tiles). Against the 32-wide kernels at 17-22 rows
+ *   mode 2 5-7% faster on even loads, 2-10% routed and 5-12% skewed; mode
+ *   4 level on even loads, 1% slower to 5% faster routed and 9-13% faster
+ *   skewed; at 23-24 rows mode 2 routed 6-9% slower (docs/PERF.md,
+ *   version 36);
+ * - FP8 modes 21-59, F16 modes 23-56: 32-wide tiles, 64-wide ones for the
+ *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
+ *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed;
+ *   at 49-56, whose large tiles run m64n56 MMAs, 4-7% even, 1-6% routed
+ *   and 13-19% skewed, at 59 up to 4% slower on even loads; in the FP8
+ *   modes, whose large tiles of 33-40 rows run m64n40 MMAs, at 34-40 rows
+ *   11-16% faster on even loads and 7-15% routed, at 44-60 within 1% even
+ *   and 1% slower to 4% faster routed, skewed loads 13-17% faster
+ *   throughout; against the 64+128 pair at 60-64 routed loads 6-9%
+ *   slower in all modes: docs/PERF.md, version 35);
+ * - F16 modes 57-59: 64-wide tiles;
+ * - 60-64 and 77-112: the 64+128 launch pair, 128-wide tiles for the
+ *   experts above 64 rows (at 60-64 routed 6-11% faster than 64-wide
+ *   alone, even loads 1-4% slower: the empty launch; at 66-104 against the 128+160 pair
+ *   routed -9 to +3%, even loads -4 to +2%, skewed 17-26% faster: its
+ *   small experts take 64-wide tiles, not 128; at 105-112 skewed 23-26%
+ *   faster, even and routed loads within 2% (version 36); at 116-128
+ *   routed 10-43% slower, where experts above 128 rows take two 128-wide
+ *   tiles and decode their weights twice; with narrow second halves
+ *   still 11-27% at 120-128, version 37);
+ * - 65-76: the 32+128 pair, the experts of at most 64 rows on the 32-wide
+ *   kernels, whose 32-wide tiles and m64n40 MMAs fit the small experts of
+ *   a skewed load (about 30-40 rows): skewed loads 4-9% faster than on the
+ *   64+128 pair, even loads level (every expert is on the 128-wide
+ *   launch), routed ones 0-2% slower; at 60-64 even loads 1-4% slower
+ *   (their experts take the mixed kernels' 64-wide tiles), at 80 skewed
+ *   loads in the FP8 modes 1-3% slower (small experts of 41 rows take
+ *   64-wide tiles there too; docs/PERF.md, version 37);
+ * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
+ *   160-wide tiles, whichever covers its rows with less waste
+ *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
+ *   against 64-wide ones, 17-24% faster from 96 rows per expert up. */
+typedef struct mm_sm90_launch {
+  int tile;        /* the small experts' token tile: 16, 32, 64 or 128 */
+  int pair;        /* the launch pair's second tile: 0, 128 or 160 */
+  int ctas_per_sm; /* 1, or 2 (16-wide tiles only) */
+} mm_sm90_launch;
+MM_SM90_HD mm_sm90_launch mm_sm90_launch_rule(mm_weight_mode mode, int avg) {
+  const int fp8 = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G16_FP8;
+  mm_sm90_launch s;
+  s.tile = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 112 ? 64 : 128;
+  s.ctas_per_sm = (fp8 || mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
+  s.pair = s.tile == 128 ? 160 : s.tile == 64 && avg >= 60 ? 128 : 0;
+  if (avg >= 65 && avg <= 76) s.tile = 32; /* the 32+128 pair */
+  return s;
+}
+
 /* Builds the fold table (MM_SM90_LUT_ENTRIES x 8 bytes). */
 void mm_sm90_lut_table(uint8_t table[MM_SM90_LUT_ENTRIES][8]);
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tile_sweep.sh -- does mm_sm90_run_wgmma's launch rule still pick the fastest
+# tile_sweep.sh -- does the WGMMA path's launch rule (mm_sm90_launch_rule) still pick the fastest
 # token tiles? Runs bench_moe_compute (WGMMA path) once per launch shape
 # (the MEGAMOE_SM90_* overrides of docs/CONFIG.md, "auto" = the rule's own
 # choice), each in its own process, rounds in alternating order, and prints

@@ -616,6 +616,78 @@ static void test_wide_tiles(void) {
   }
 }
 
+/* The WGMMA path's launch rule (mm_sm90_launch_rule): shapes the kernels
+ * have at every average (16-wide tiles alone at two CTAs per SM; a pair's
+ * second tile 128 after a 32- or 64-wide launch, 160 after a 128-wide one),
+ * the FP8 modes alike, and docs/CONFIG.md's table of launch shapes equal to
+ * the one the rule gives (printed here when it is not). */
+static void launch_text(mm_sm90_launch s, char *buf, size_t n) {
+  if (s.pair) snprintf(buf, n, "%d+%d", s.tile, s.pair);
+  else if (s.ctas_per_sm == 2) snprintf(buf, n, "%d, two CTAs per SM", s.tile);
+  else snprintf(buf, n, "%d", s.tile);
+}
+static void test_launch_rule(void) {
+  static const mm_weight_mode k_modes[] = {MM_WMODE_G32_FP8, MM_WMODE_G16_BF16_EXACT,
+                                           MM_WMODE_G16_FP8, MM_WMODE_G32_F16_EXACT};
+  for (int avg = 0; avg <= 40000; avg++)
+    for (int i = 0; i < 4; i++) {
+      const mm_sm90_launch s = mm_sm90_launch_rule(k_modes[i], avg);
+      const int ok = (s.tile == 16 && s.pair == 0) ||
+                     (s.ctas_per_sm == 1 && ((s.tile == 32 && (s.pair == 0 || s.pair == 128)) ||
+                                             (s.tile == 64 && (s.pair == 0 || s.pair == 128)) ||
+                                             (s.tile == 128 && s.pair == 160)));
+      CHECK_MSG(ok && (s.ctas_per_sm == 1 || s.ctas_per_sm == 2), "mode %d avg %d: %d+%d x%d",
+                k_modes[i], avg, s.tile, s.pair, s.ctas_per_sm);
+    }
+  for (int avg = 0; avg <= 1000; avg++) {
+    const mm_sm90_launch a = mm_sm90_launch_rule(MM_WMODE_G32_FP8, avg),
+                         b = mm_sm90_launch_rule(MM_WMODE_G16_FP8, avg);
+    CHECK_MSG(a.tile == b.tile && a.pair == b.pair && a.ctas_per_sm == b.ctas_per_sm,
+              "modes 1 and 3 differ at %d", avg);
+  }
+  /* the table: one row per run of averages where no column changes, up to
+   * the last change (then "from N") */
+  char table[4096], cells[3][64], prev[3][64] = {"", "", ""};
+  size_t len = (size_t)snprintf(table, sizeof table,
+                                "| rows per local expert | modes 1 and 3 | mode 2 | mode 4 |\n"
+                                "|---|---|---|---|\n");
+  int first = 1;
+  const int last = 2000;
+  for (int avg = 1; avg <= last + 1; avg++) {
+    launch_text(mm_sm90_launch_rule(MM_WMODE_G32_FP8, avg), cells[0], sizeof cells[0]);
+    launch_text(mm_sm90_launch_rule(MM_WMODE_G16_BF16_EXACT, avg), cells[1], sizeof cells[1]);
+    launch_text(mm_sm90_launch_rule(MM_WMODE_G32_F16_EXACT, avg), cells[2], sizeof cells[2]);
+    const int same = avg > 1 && !strcmp(cells[0], prev[0]) && !strcmp(cells[1], prev[1]) &&
+                     !strcmp(cells[2], prev[2]);
+    if (avg > 1 && (!same || avg == last + 1)) {
+      char range[32];
+      if (avg == last + 1) snprintf(range, sizeof range, "from %d", first);
+      else if (first == avg - 1) snprintf(range, sizeof range, "%d", first);
+      else snprintf(range, sizeof range, "%d-%d", first, avg - 1);
+      len += (size_t)snprintf(table + len, sizeof table - len, "| %s | %s | %s | %s |\n", range,
+                              prev[0], prev[1], prev[2]);
+    }
+    if (!same) first = avg;
+    memcpy(prev, cells, sizeof prev);
+  }
+  CHECK(len < sizeof table);
+  /* the rule must be constant well before `last` */
+  CHECK(strstr(table, "| from 113 |") != NULL);
+  const char *dir = getenv("MEGAMOE_SRCDIR");
+  char path[1024];
+  snprintf(path, sizeof path, "%s/docs/CONFIG.md", dir && *dir ? dir : ".");
+  FILE *f = fopen(path, "rb");
+  CHECK_MSG(f != NULL, "cannot open %s", path);
+  if (!f) return;
+  static char doc[1 << 20];
+  const size_t n = fread(doc, 1, sizeof doc - 1, f);
+  fclose(f);
+  doc[n] = '\0';
+  const int found = strstr(doc, table) != NULL;
+  CHECK_MSG(found, "docs/CONFIG.md lacks the launch shapes' table; the rule's is:");
+  if (!found) printf("%s", table);
+}
+
 /* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
  * token tile and a column tile is computed by exactly one CTA of one unit
  * (a lost pair would drop tokens, a doubled one race on their output); a
@@ -699,6 +771,7 @@ int main(void) {
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
   RUN(test_wide_tiles);
+  RUN(test_launch_rule);
   RUN(test_prefill_units);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
