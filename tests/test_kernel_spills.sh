@@ -10,7 +10,7 @@
 # read too (scripts/sass_check.py loops): no K loop may hold a local-memory
 # instruction. No report may hold ptxas's notes of WGMMA serialization or
 # injected warpgroup waits and arrives ((C75xx): C7511, C7514, C7517 and
-# C7519 each cost a landing build a few percent before they were seen;
+# C7519 each marked a build tried and not kept, serialized or slower;
 # docs/PERF.md, versions 3, 29, 31 and 37). Skips without the CUDA backend.
 # MEGAMOE_PTXAS_LOGS: other logs to read.
 b=${MEGAMOE_BUILDDIR:-.}
