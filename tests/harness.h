@@ -147,6 +147,26 @@ static inline float mm_test_normal(void) {
   return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
 }
 
+/* The source tree (MEGAMOE_SRCDIR, which make check sets; else "."). */
+static inline const char *mm_test_srcdir(void) {
+  const char *s = getenv("MEGAMOE_SRCDIR");
+  return s && *s ? s : ".";
+}
+
+/* A whole file as a NUL-terminated string (free it), or NULL. */
+static inline char *mm_test_read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *buf = malloc((size_t)n + 1);
+  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) n = 0;
+  if (buf) buf[n] = '\0';
+  fclose(f);
+  return buf;
+}
+
 /* Removes a file or a directory tree (test scratch space). */
 static inline void mm_test_rm_tree(const char *path) {
   DIR *d = opendir(path);

@@ -135,37 +135,19 @@ static void test_defaults(void) {
   CHECK_EQ_INT(c.ep_size, 4);
 }
 
-static char *read_all(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *buf = malloc((size_t)n + 1);
-  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) n = 0;
-  if (buf) buf[n] = '\0';
-  fclose(f);
-  return buf;
-}
-
-static const char *srcdir(void) {
-  const char *s = getenv("MEGAMOE_SRCDIR");
-  return s && *s ? s : ".";
-}
-
 /* The shipped file: loads, equals the defaults, and lists every key; the
  * reference lists every key too. */
 static void test_shipped_file_and_docs(void) {
   char path[1024];
   mm_config c, d;
   mm_config_defaults(&d);
-  snprintf(path, sizeof path, "%s/conf/megamoe.yaml", srcdir());
+  snprintf(path, sizeof path, "%s/conf/megamoe.yaml", mm_test_srcdir());
   CHECK_OK(mm_config_load(path, NULL, 0, NULL, NULL, 0, &c));
   CHECK(config_equal(&c, &d));
   CHECK(!strcmp(c.source_name, path));
-  char *text = read_all(path);
-  snprintf(path, sizeof path, "%s/docs/CONFIG.md", srcdir());
-  char *doc = read_all(path);
+  char *text = mm_test_read_file(path);
+  snprintf(path, sizeof path, "%s/docs/CONFIG.md", mm_test_srcdir());
+  char *doc = mm_test_read_file(path);
   CHECK(text && doc);
   if (!text || !doc) goto out;
   size_t n = 0;
@@ -961,8 +943,8 @@ static void test_fuzz_tokens(void) {
 
 static void test_fuzz_mutations(void) {
   char path[1024];
-  snprintf(path, sizeof path, "%s/conf/megamoe.yaml", srcdir());
-  char *base = read_all(path);
+  snprintf(path, sizeof path, "%s/conf/megamoe.yaml", mm_test_srcdir());
+  char *base = mm_test_read_file(path);
   CHECK(base != NULL);
   if (!base) return;
   size_t bl = strlen(base);

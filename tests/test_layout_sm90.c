@@ -673,19 +673,15 @@ static void test_launch_rule(void) {
   CHECK(len < sizeof table);
   /* the rule must be constant well before `last` */
   CHECK(strstr(table, "| from 113 |") != NULL);
-  const char *dir = getenv("MEGAMOE_SRCDIR");
   char path[1024];
-  snprintf(path, sizeof path, "%s/docs/CONFIG.md", dir && *dir ? dir : ".");
-  FILE *f = fopen(path, "rb");
-  CHECK_MSG(f != NULL, "cannot open %s", path);
-  if (!f) return;
-  static char doc[1 << 20];
-  const size_t n = fread(doc, 1, sizeof doc - 1, f);
-  fclose(f);
-  doc[n] = '\0';
+  snprintf(path, sizeof path, "%s/docs/CONFIG.md", mm_test_srcdir());
+  char *doc = mm_test_read_file(path);
+  CHECK_MSG(doc != NULL, "cannot read %s", path);
+  if (!doc) return;
   const int found = strstr(doc, table) != NULL;
   CHECK_MSG(found, "docs/CONFIG.md lacks the launch shapes' table; the rule's is:");
   if (!found) printf("%s", table);
+  free(doc);
 }
 
 /* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
