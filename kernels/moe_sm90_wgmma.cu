@@ -27,9 +27,10 @@
  * (32) of its tokens; in the F16 modes' 32-wide kernels (and mode 4's 16-wide
  * ones) an expert a few rows above the tile gets a middle one, 48 (32)
  * wide, first (Kern::kMid); a large tile of a few rows more than those
- * runs narrower MMAs (Kern::kNarrow). With 60-112 rows per expert, a
- * launch pair gives the experts above 64 rows 128-wide tiles (the others
- * 64-wide ones, at 65-76 rows the 32-wide kernels' tiles); a 128-wide
+ * runs narrower MMAs (Kern::kNarrow), as do the 64-wide kernels' tiles
+ * of at most 48 rows. With 50-112 rows per expert, a launch pair gives
+ * the experts above 64 rows 128-wide tiles (the others 64-wide ones, at
+ * 50-59 and 65-76 rows the 32-wide kernels' tiles); a 128-wide
  * tile of at most 112 rows issues its second column half's MMAs only as
  * wide as its rows need (Kern::k_loop_ahead's NW2). With 128
  * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
@@ -1452,6 +1453,14 @@ struct Kern {
           /* a large tile whose rows need kNarrow columns or fewer */
           if (un.valid > kNarrow) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
           else k_loop_chunked<BN, kNarrow>(p, sm, un, c, stage, phase, fin, acc);
+        } else if constexpr (!kMixed && BN == 64) {
+          /* the 64-wide kernels (the 64+128 pair's first launch): a tile of
+           * at most 48 rows issues m64n48 MMAs, like the mixed kernels'
+           * large tiles (the small experts of skewed loads: at 60-88 rows
+           * per expert 5-11% faster, zipf loads 2-6%; docs/PERF.md,
+           * version 38) */
+          if (un.valid > 48) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
+          else k_loop_chunked<BN, 48>(p, sm, un, c, stage, phase, fin, acc);
         } else {
           k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
         }
@@ -1905,7 +1914,7 @@ mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, 
  * the 160-wide launch first; where no expert takes it (even loads of a
  * multiple of 128 rows), its CTAs find no units and leave as soon as the
  * kernel before it has finished, a few microseconds (measured 1-3% at such
- * loads). 64+128 and 32+128 (60-112 rows per expert): the 64-wide (32-wide
+ * loads). 64+128 and 32+128 (50-112 rows per expert): the 64-wide (32-wide
  * mixed) launch first, for the experts of at most 64 rows, so that it keeps
  * its overlap with the kernel before it; an empty 128-wide launch after it
  * costs 1-4% (docs/PERF.md, version 14). The second launch starts

@@ -372,7 +372,7 @@ MM_SM90_HD int mm_sm90_wide_tiles(int m) {
  *   4 level on even loads, 1% slower to 5% faster routed and 9-13% faster
  *   skewed; at 23-24 rows mode 2 routed 6-9% slower (docs/PERF.md,
  *   version 36);
- * - FP8 modes 21-59, F16 modes 23-56: 32-wide tiles, 64-wide ones for the
+ * - FP8 modes 21-59, F16 modes 23-59: 32-wide tiles, 64-wide ones for the
  *   larger experts (in the F16 modes 48-wide middle tiles first: at 34-48
  *   rows 11-12% faster than 64-wide tiles on even loads, 13-16% skewed;
  *   at 49-56, whose large tiles run m64n56 MMAs, 4-7% even, 1-6% routed
@@ -381,8 +381,8 @@ MM_SM90_HD int mm_sm90_wide_tiles(int m) {
  *   11-16% faster on even loads and 7-15% routed, at 44-60 within 1% even
  *   and 1% slower to 4% faster routed, skewed loads 13-17% faster
  *   throughout; against the 64+128 pair at 60-64 routed loads 6-9%
- *   slower in all modes: docs/PERF.md, version 35);
- * - F16 modes 57-59: 64-wide tiles;
+ *   slower in all modes: docs/PERF.md, version 35), from 50 rows in the
+ *   32+128 pair (below);
  * - 60-64 and 77-112: the 64+128 launch pair, 128-wide tiles for the
  *   experts above 64 rows (at 60-64 routed 6-11% faster than 64-wide
  *   alone, even loads 1-4% slower: the empty launch; at 66-104 against the 128+160 pair
@@ -392,14 +392,21 @@ MM_SM90_HD int mm_sm90_wide_tiles(int m) {
  *   routed 10-43% slower, where experts above 128 rows take two 128-wide
  *   tiles and decode their weights twice; with narrow second halves
  *   still 11-27% at 120-128, version 37);
- * - 65-76: the 32+128 pair, the experts of at most 64 rows on the 32-wide
- *   kernels, whose 32-wide tiles and m64n40 MMAs fit the small experts of
- *   a skewed load (about 30-40 rows): skewed loads 4-9% faster than on the
- *   64+128 pair, even loads level (every expert is on the 128-wide
- *   launch), routed ones 0-2% slower; at 60-64 even loads 1-4% slower
- *   (their experts take the mixed kernels' 64-wide tiles), at 80 skewed
- *   loads in the FP8 modes 1-3% slower (small experts of 41 rows take
- *   64-wide tiles there too; docs/PERF.md, version 37);
+ * - 50-59 and 65-76: the 32+128 pair, the experts of at most 64 rows on
+ *   the 32-wide kernels, the others on 128-wide tiles. At 65-76 the
+ *   32-wide tiles and m64n40 MMAs fit the small experts of a skewed load
+ *   (about 30-40 rows): skewed loads 4-9% faster than on the 64+128 pair,
+ *   even loads level (every expert is on the 128-wide launch), routed
+ *   ones 0-2% slower; at 60-64 even loads 1-4% slower (their experts take
+ *   the mixed kernels' 64-wide tiles), at 80 skewed loads in the FP8 modes
+ *   1-3% slower (small experts of 41 rows take 64-wide tiles there too;
+ *   docs/PERF.md, version 37). At 50-59 against the 32-wide kernels alone
+ *   routed loads 4-7% faster (their experts above 64 rows take one
+ *   128-wide tile, not two 64-wide ones that decode the weights twice),
+ *   skewed 1-5%, even loads 0-2% slower (the empty launch), in the F16
+ *   modes at 57-59 (were 64-wide tiles) routed 5-6%, skewed 10-11%
+ *   faster, even loads 3-4% slower; at 40-48 routed loads 1-3% slower
+ *   (version 38);
  * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
  *   160-wide tiles, whichever covers its rows with less waste
  *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
@@ -412,10 +419,12 @@ typedef struct mm_sm90_launch {
 MM_SM90_HD mm_sm90_launch mm_sm90_launch_rule(mm_weight_mode mode, int avg) {
   const int fp8 = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G16_FP8;
   mm_sm90_launch s;
-  s.tile = avg <= (fp8 ? 20 : 22) ? 16 : avg <= (fp8 ? 59 : 56) ? 32 : avg <= 112 ? 64 : 128;
+  s.tile = avg <= (fp8 ? 20 : 22)                 ? 16
+           : avg <= 59 || (avg >= 65 && avg <= 76) ? 32
+           : avg <= 112                            ? 64
+                                                   : 128;
   s.ctas_per_sm = (fp8 || mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
-  s.pair = s.tile == 128 ? 160 : s.tile == 64 && avg >= 60 ? 128 : 0;
-  if (avg >= 65 && avg <= 76) s.tile = 32; /* the 32+128 pair */
+  s.pair = s.tile == 128 ? 160 : s.tile == 64 || avg >= 50 ? 128 : 0;
   return s;
 }
 

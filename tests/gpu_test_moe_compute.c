@@ -694,7 +694,9 @@ static const int k_counts_big[] = {2100, 77, 0, 1930};
  * tiles at one CTA per SM (gpu_suite.sh) give mode 2's 32-wide large tiles
  * of 1-20 rows m64n24 MMAs; 128-wide tiles (the 64+128 and 32+128 pairs,
  * TOKEN_TILE=128) every width of their second half: none at 1-52 rows,
- * m64n16 at 70, n32 at 90, n48 at 110 (Kern::k_loop_ahead) */
+ * m64n16 at 70, n32 at 90, n48 at 110 (Kern::k_loop_ahead); forced
+ * 64-wide tiles (TOKEN_TILE=64) m64n48 MMAs at 45, 3, 33 and 40 rows and
+ * in the last tiles of 70, 90 and 110, full ones at 52 */
 static const int k_counts_widths[] = {45, 3, 33, 70, 110, 2, 52, 40, 90, 0};
 
 static const shape k_shapes[] = {
