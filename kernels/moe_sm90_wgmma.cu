@@ -1457,7 +1457,7 @@ struct Kern {
           /* the 64-wide kernels (the 64+128 pair's first launch): a tile of
            * at most 48 rows issues m64n48 MMAs, like the mixed kernels'
            * large tiles (the small experts of skewed loads: at 60-88 rows
-           * per expert 5-11% faster, zipf loads 2-6%; docs/PERF.md,
+           * per expert 4-11% faster, zipf loads 2-6%; docs/PERF.md,
            * version 38) */
           if (un.valid > 48) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
           else k_loop_chunked<BN, 48>(p, sm, un, c, stage, phase, fin, acc);

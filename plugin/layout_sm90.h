@@ -424,6 +424,7 @@ MM_SM90_HD mm_sm90_launch mm_sm90_launch_rule(mm_weight_mode mode, int avg) {
            : avg <= 112                            ? 64
                                                    : 128;
   s.ctas_per_sm = (fp8 || mode == MM_WMODE_G16_BF16_EXACT) && avg <= 12 ? 2 : 1;
+  /* 64-wide tiles always with the 128-wide launch, 32-wide ones from 50 */
   s.pair = s.tile == 128 ? 160 : s.tile == 64 || avg >= 50 ? 128 : 0;
   return s;
 }
