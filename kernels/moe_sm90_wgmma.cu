@@ -632,8 +632,11 @@ struct Kern {
    * keep full 32-wide large tiles: with a second, m64n24 instantiation of
    * their double-buffered loop ptxas serialized the WGMMAs of mode 3's L1
    * kernel (C7511, registers), which ran 2-4.5% slower at M = 512-640,
-   * even loads too. */
-  static constexpr int kNarrow = kBig == 32 ? 24 : kMid == 48 ? 56 : 40;
+   * even loads too. The 64-wide kernels (not mixed: the 64+128 pair's first
+   * launch, whose tiles hold the experts of at most 64 rows) take 48 for
+   * their tiles: the small experts of skewed loads, at 60-88 rows per
+   * expert 4-11% faster, zipf loads 2-6% (version 38). */
+  static constexpr int kNarrow = !kMixed ? 48 : kBig == 32 ? 24 : kMid == 48 ? 56 : 40;
   static constexpr int kBNMax = kMixed ? kBig : BS;
   using S = Smem<MODE, GEMM, kBNMax, CPS, kMixed>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
@@ -1448,22 +1451,13 @@ struct Kern {
         k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else if constexpr (kDoubleBuffer && BN <= 32) {
         k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);
+      } else if constexpr (BN == kBNMax && (kMixed || BN == 64)) {
+        /* a mixed kernel's large tile or a 64-wide kernel's tile, whose rows
+         * need kNarrow columns or fewer */
+        if (un.valid > kNarrow) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
+        else k_loop_chunked<BN, kNarrow>(p, sm, un, c, stage, phase, fin, acc);
       } else {
-        if constexpr (kMixed && BN == kBig) {
-          /* a large tile whose rows need kNarrow columns or fewer */
-          if (un.valid > kNarrow) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
-          else k_loop_chunked<BN, kNarrow>(p, sm, un, c, stage, phase, fin, acc);
-        } else if constexpr (!kMixed && BN == 64) {
-          /* the 64-wide kernels (the 64+128 pair's first launch): a tile of
-           * at most 48 rows issues m64n48 MMAs, like the mixed kernels'
-           * large tiles (the small experts of skewed loads: at 60-88 rows
-           * per expert 4-11% faster, zipf loads 2-6%; docs/PERF.md,
-           * version 38) */
-          if (un.valid > 48) k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
-          else k_loop_chunked<BN, 48>(p, sm, un, c, stage, phase, fin, acc);
-        } else {
-          k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
-        }
+        k_loop_chunked<BN, BN>(p, sm, un, c, stage, phase, fin, acc);
       }
 
       /* ------------------------------------------------------ epilogue ---- */
