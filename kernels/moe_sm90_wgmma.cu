@@ -35,9 +35,10 @@
  * wide as its rows need (Kern::k_loop_ahead's NW2). With 128
  * (prefill), each consumer warpgroup owns one m64 tile of 128 columns,
  * and a unit's 256 rows are two halves in turn (Kern::kWide). Prefill runs a launch pair per GEMM:
- * 160-wide tiles (two m64n80 halves) for the experts whose rows they cover
- * with less waste (129-160 rows: one tile instead of two), 128-wide ones for
- * the rest (mm_sm90_wide_tiles; launch_gemm, Kern::produce). In the decode
+ * 160-wide tiles (two m64n80 halves) where they cover an expert's rows
+ * with less waste (129-160 rows: one tile instead of two; 520 rows: 160 +
+ * 3 x 128 instead of 5 x 128), 128-wide ones for the rest
+ * (mm_sm90_wide_count, tile_span; launch_gemm, Kern::produce). In the decode
  * regime of the FP8 modes and mode 2 (up to 12 rows per expert) the grid
  * runs two CTAs per SM with 16-wide tiles only (more warps to hide the
  * decode's latency; larger tiles do not fit their registers). With 64-wide
@@ -272,12 +273,13 @@ struct Params {
   int mixed;             /* large tiles (Kern::kBig) for experts with more than BS rows */
   int wide_first;        /* mixed tiles: walk the experts of the widest tiles
                             first (Kern::setup_walk); 0: in expert order */
-  int width_class;       /* 0: every expert; 1 / 2: only those that take
-                            the narrow / wide tiles of a launch pair */
-  int wide_above;        /* a pair's wide tiles: 0: the 160-wide ones where
-                            mm_sm90_wide_tiles says so (the 128+160 pair);
-                            n: the 128-wide ones for experts above n rows
-                            (the 64+128 and 32+128 pairs: 64) */
+  int width_class;       /* 0: every tile; 1 / 2: only the narrow / wide
+                            tiles of a launch pair (tile_span) */
+  int wide_above;        /* a pair's wide tiles: 0: the 160-wide ones that
+                            mm_sm90_wide_count gives an expert (the 128+160
+                            pair); n: the 128-wide ones, every tile of the
+                            experts above n rows (the 64+128 and 32+128
+                            pairs: 64) */
   int pair_role;         /* 0: a single launch; 1 / 2: the first / second of a
                             launch pair (Kern::produce) */
   const float *row_weight;
@@ -519,14 +521,33 @@ template <int BS, bool kMixed, int BIG, int MID>
 __device__ __forceinline__ int unit_tile(int m, int mixed) {
   return kMixed && mixed && m > BS ? (MID && m <= MID ? MID : BIG) : BS;
 }
-/* Whether this launch runs an expert of m rows (Params::width_class): at
- * prefill each GEMM runs two launches, 160- and 128-wide tiles, and each
- * expert takes the width that covers its rows at less cost
- * (mm_sm90_wide_tiles, layout_sm90.h); with 64-wide tiles, the experts above
- * 64 rows take 128-wide ones (wide_above). */
-__device__ __forceinline__ bool in_class(int m, int width_class, int wide_above) {
-  const bool wide = wide_above ? m > wide_above : mm_sm90_wide_tiles(m) != 0;
-  return width_class == 0 || (width_class == 2) == wide;
+/* An expert's token tiles in this launch (Params::width_class): how many,
+ * and the row of the first, counted from the expert's first row. A single
+ * launch takes them all. The 64+128 and 32+128 pairs give an expert to one
+ * launch whole: above wide_above rows to the 128-wide one. The 128+160 pair
+ * splits it (mm_sm90_wide_count, layout_sm90.h): the 160-wide launch takes
+ * its first 160 a rows, the 128-wide launch the rest. Only the 128- and
+ * 160-wide kernels (BS) run that pair: the others keep the split's code out
+ * (mode 4's two-CTA 16-wide L1 kernel spilled 16 more bytes with it). */
+struct TileSpan {
+  int n, row0;
+};
+template <int BS>
+__device__ __forceinline__ TileSpan tile_span(int m, int bn, int width_class, int wide_above) {
+  TileSpan t = {(m + bn - 1) / bn, 0};
+  if (width_class == 0) return t;
+  if (BS < 128 || wide_above) {
+    if ((width_class == 2) != (m > wide_above)) t.n = 0;
+    return t;
+  }
+  const int a = mm_sm90_wide_count(m);
+  if (width_class == 2) {
+    t.n = a;
+  } else {
+    t.n = mm_sm90_narrow_count(m, a);
+    t.row0 = 160 * a;
+  }
+  return t;
 }
 
 /* Walks this CTA's work units: returns false when done. The walk goes
@@ -534,18 +555,23 @@ __device__ __forceinline__ bool in_class(int m, int width_class, int wide_above)
  * is the first unit of expert order[i]; *pos, the walk's place in it. */
 template <int BS, bool kMixed, int BIG, int MID>
 __device__ __forceinline__ bool next_unit(const int *sched, const uint8_t *order, const int32_t *off,
-                                          int E, int mixed, int u, int *pos, Unit *out) {
+                                          int E, int mixed, int width_class, int wide_above, int u,
+                                          int *pos, Unit *out) {
   if (u >= sched[E]) return false;
   while (sched[*pos + 1] <= u) (*pos)++;
   const int e = kMixed ? order[*pos] : *pos;
-  const int m = off[e + 1] - off[e], bn = unit_tile<BS, kMixed, BIG, MID>(m, mixed), ntc = (m + bn - 1) / bn;
+  const int m = off[e + 1] - off[e], bn = unit_tile<BS, kMixed, BIG, MID>(m, mixed);
+  /* the walk visits only experts with tiles here (setup_walk): below 128
+   * wide, all of an expert's from its first row */
+  TileSpan ts = {(m + bn - 1) / bn, 0};
+  if (BS >= 128) ts = tile_span<BS>(m, bn, width_class, wide_above);
   const int local = u - sched[*pos];
   out->e = e;
-  out->rb = local / ntc;
-  const int nt = local % ntc;
+  out->rb = local / ts.n;
+  const int nt = local % ts.n;
   out->bn = bn;
-  out->tok0 = off[e] + nt * bn;
-  out->valid = min(bn, m - nt * bn);
+  out->tok0 = off[e] + ts.row0 + nt * bn;
+  out->valid = min(bn, m - ts.row0 - nt * bn);
   return true;
 }
 
@@ -835,7 +861,7 @@ struct Kern {
         int n = 0, r = 2;
         if (e < E) {
           const int m = p.offsets[e + 1] - p.offsets[e], bn = unit_tile<BS, kMixed, kBig, kMid>(m, p.mixed);
-          n = in_class(m, p.width_class, p.wide_above) ? (m + bn - 1) / bn * RB : 0;
+          n = tile_span<BS>(m, bn, p.width_class, p.wide_above).n * RB;
           if (p.wide_first && bn != BS) r = bn == kBig ? 0 : 1;
         }
         const uint32_t mine = __ballot_sync(0xffffffffu, e < E && r == rank);
@@ -892,7 +918,8 @@ struct Kern {
       Unit u2;
       for (int u = blockIdx.x;
            n < early &&
-           next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, u, &pos2, &u2);
+           next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, p.width_class,
+                                             p.wide_above, u, &pos2, &u2);
            u += gridDim.x)
         for (int h = 0; h < kHalves && n < early; h++)
           for (int kb = 0; kb < KB && n < early; kb++, n++)
@@ -900,7 +927,8 @@ struct Kern {
       early = -1;
     };
     for (int u = blockIdx.x;
-         next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, u, &pos, &un);
+         next_unit<BS, kMixed, kBig, kMid>(sched, order, p.offsets, p.E, p.mixed, p.width_class,
+                                           p.wide_above, u, &pos, &un);
          u += gridDim.x) {
       const uint32_t tx = C::kRecs * kRecCopy + (C::kF16 ? 2 : 1) * un.bn * 128 + 4 * (un.bn + 4);
       for (int h = 0; h < kHalves; h++) {
@@ -1904,7 +1932,7 @@ mm_err *launch_refs(const Params &p, bool one, const TileMaps &m, int max_ctas, 
 }
 
 /* One GEMM's launches: BS-wide tiles, or with BS2 a launch pair, each
- * launch taking the experts of its width class (in_class). 128+160 (prefill):
+ * launch taking the tiles of its width class (tile_span). 128+160 (prefill):
  * the 160-wide launch first; where no expert takes it (even loads of a
  * multiple of 128 rows), its CTAs find no units and leave as soon as the
  * kernel before it has finished, a few microseconds (measured 1-3% at such

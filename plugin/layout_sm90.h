@@ -334,15 +334,40 @@ MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int small_last, 
   }
 }
 
-/* The prefill's token tiles: 1 where an expert of m rows takes 160-wide
- * token tiles rather than 128-wide ones. A 160-wide work unit costs about
- * 1.21 of a 128-wide one on the H200 (docs/PERF.md, version 10), and the
- * wider tiles need their own launch, so 160 is taken where the estimate
- * saves at least a tenth: 129-160 rows take one 160-wide tile instead of
- * two 128-wide ones and 257-320 two instead of three; 128, 256, 480 or
- * 1056 rows stay with 128. */
-MM_SM90_HD int mm_sm90_wide_tiles(int m) {
-  return m > 0 && 121 * ((m + 159) / 160) <= 90 * ((m + 127) / 128);
+/* The 128+160 launch pair's token tiles of an expert of m rows: how many
+ * are 160 wide. They take the expert's first 160 a rows, and 128-wide
+ * tiles the rest (mm_sm90_narrow_count), so one expert may take both
+ * widths: 520 rows run as 160 + 3 x 128 instead of 5 x 128, whose last
+ * tile of 8 rows decodes the weights once more for almost nothing. A
+ * 160-wide work unit costs about 1.21 of a 128-wide one on the H200
+ * (MM_SM90_COST_160; docs/PERF.md, version 10). a is the cheapest of 0-3
+ * (four 160-wide tiles cover what five 128-wide ones do at 3% less, within
+ * the estimate's error), taken where it saves at least MM_SM90_WIDE_SAVING
+ * percent of the 128-wide tiles' cost: 129-160 rows take one 160-wide
+ * tile, 257-288 160 + 128, 289-320 two 160-wide tiles, 520 160 + 3 x 128,
+ * 1025-1056 160 + 7 x 128; 128, 256, 512 or 1024 rows 128-wide tiles
+ * alone. Against whole experts of one width (version 38: 520 rows in 5 x
+ * 128), routed loads at 384-512 rows per expert run 6-8% faster in modes
+ * 1 and 2 and at 1024 3% (mode 2; modes 1 and 3 take the prefill path
+ * there); a 10% threshold left that 3% out (docs/PERF.md, version 39). */
+#define MM_SM90_COST_160 121
+#define MM_SM90_WIDE_SAVING 5
+MM_SM90_HD int mm_sm90_narrow_count(int m, int a) {
+  const int rest = m - 160 * a;
+  return rest > 0 ? (rest + 127) / 128 : 0;
+}
+MM_SM90_HD int mm_sm90_wide_count(int m) {
+  if (m <= 0) return 0;
+  const int n128 = (m + 127) / 128;
+  int best = 0, cost = 100 * n128;
+  for (int a = 1; a <= 3; a++) {
+    const int c = MM_SM90_COST_160 * a + 100 * mm_sm90_narrow_count(m, a);
+    if (c < cost) {
+      best = a;
+      cost = c;
+    }
+  }
+  return 100 * cost <= (100 - MM_SM90_WIDE_SAVING) * 100 * n128 ? best : 0;
 }
 
 /* The WGMMA path's launch shape (mm_sm90_run_wgmma) for an average of avg
@@ -407,9 +432,9 @@ MM_SM90_HD int mm_sm90_wide_tiles(int m) {
  *   modes at 57-59 (were 64-wide tiles) routed 5-6%, skewed 10-11%
  *   faster, even loads 3-4% slower; at 40-48 routed loads 1-3% slower
  *   (version 38);
- * - above 112: the 128+160 pair (run_mode's BS2): each expert gets 128- or
- *   160-wide tiles, whichever covers its rows with less waste
- *   (mm_sm90_wide_tiles); 128-wide tiles halve the decode work per MMA
+ * - above 112: the 128+160 pair (run_mode's BS2): each expert's rows go to
+ *   160- and 128-wide tiles, whichever cover them with less waste
+ *   (mm_sm90_wide_count); 128-wide tiles halve the decode work per MMA
  *   against 64-wide ones, 17-24% faster from 96 rows per expert up. */
 typedef struct mm_sm90_launch {
   int tile;        /* the small experts' token tile: 16, 32, 64 or 128 */

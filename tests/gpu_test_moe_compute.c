@@ -680,9 +680,10 @@ static const int k_counts_a[] = {5, 0, 70};
 static const int k_counts_all[] = {0, 0, 200, 0};
 static const int k_counts_one[] = {130};
 static const int k_counts_empty[] = {0, 0};
-/* both widths of the prefill's launch pair in one call: 150 and 140 rows
- * take one 160-wide tile, 3 and 70 a 128-wide one (mm_sm90_wide_tiles) */
-static const int k_counts_pair[] = {150, 3, 70, 0, 140};
+/* both widths of the 128+160 launch pair in one call (mm_sm90_wide_count):
+ * 150 and 140 rows take one 160-wide tile, 3 and 70 a 128-wide one, 270
+ * and 530 both widths (160 + 128 and 160 + 3 x 128) */
+static const int k_counts_pair[] = {150, 3, 270, 70, 0, 140, 530};
 /* 2100 rows: 17 L1 token tiles, the last of 52 rows split alone; 1930:
  * 16 tiles, the last of 10 rows, so the last set of two is split and one
  * warpgroup computes the small tile (mm_sm90_prefill_unit) */
@@ -707,7 +708,7 @@ static const shape k_shapes[] = {
     {256, 128, 32, NULL, 9, 0.0f, 0, 0, 0},
     {256, 256, 2, k_counts_empty, 0, 0.0f, 0, 0, 0},
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 37},
-    {256, 128, 5, k_counts_pair, 0, 0.0f, 0, 0, 0},
+    {256, 128, 7, k_counts_pair, 0, 0.0f, 0, 0, 0},
     /* more experts than the prefill path's chunk (MM_SM90_PREFILL_CHUNK) */
     {256, 128, 40, NULL, 9, 0.0f, 0, 0, 0},
     /* 10 and 9 K blocks: the prefill path's runs of 8, 2 and 1 (kRun) */

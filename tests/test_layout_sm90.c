@@ -595,24 +595,41 @@ static void test_pow2_edges(void) {
   CHECK(isinf(mm_sm90_pow2(300)) && mm_sm90_pow2(300) > 0.0f);
 }
 
-/* The FP8 prefill's tile widths per expert (the kernels' launch pair): the
- * widths that waste less, and 128 where 160 saves under a tenth. */
-static void test_wide_tiles(void) {
+/* The 128+160 launch pair's split of an expert (mm_sm90_wide_count): its
+ * first 160 a rows in 160-wide tiles, the rest in 128-wide ones. */
+static void test_wide_split(void) {
   static const struct {
-    int m, wide;
-  } k[] = {{0, 0},   {1, 0},    {64, 0},   {128, 0},   {129, 1},    {144, 1},
-           {160, 1}, {161, 0},  {256, 0},  {257, 1},   {300, 1},    {320, 1},
-           {321, 0}, {480, 0},  {528, 0},  {1024, 0},  {1056, 0},   {2048, 0},
-           {2080, 0}, {16384, 0}, {16416, 0}};
+    int m, a;
+  } k[] = {{0, 0},    {1, 0},    {64, 0},   {128, 0},  {129, 1},  {144, 1},   {160, 1},
+           {161, 0},  {256, 0},  {257, 1},  {288, 1},  {289, 2},  {320, 2},   {321, 0},
+           {384, 0},  {385, 1},  {416, 1},  {417, 2},  {448, 2},  {449, 3},   {480, 3},
+           {481, 0},  {512, 0},  {513, 1},  {544, 1},  {545, 2},  {576, 2},   {577, 3},
+           {608, 3},  {609, 0},  {1024, 0}, {1025, 1}, {1088, 2}, {1089, 0},  {16384, 0}};
   for (size_t i = 0; i < sizeof(k) / sizeof(k[0]); i++) {
-    if (mm_sm90_wide_tiles(k[i].m) != k[i].wide) fprintf(stderr, "# m = %d\n", k[i].m);
-    CHECK_EQ_INT(mm_sm90_wide_tiles(k[i].m), k[i].wide);
+    if (mm_sm90_wide_count(k[i].m) != k[i].a) fprintf(stderr, "# m = %d\n", k[i].m);
+    CHECK_EQ_INT(mm_sm90_wide_count(k[i].m), k[i].a);
   }
-  /* the rule over a range: 160 only where 1.21 of its tile count is at
-   * most 0.9 of the 128-wide count */
+  /* over a range: the two launches' tiles cover the expert, every tile
+   * holds a row (a unit of none ends a kernel's walk), and the split is the
+   * cheapest of a = 0..3 at 1.21 per 160-wide tile, taken only where it
+   * saves MM_SM90_WIDE_SAVING percent of the 128-wide tiles' cost */
   for (int m = 1; m <= 20000; m++) {
-    const int n128 = (m + 127) / 128, n160 = (m + 159) / 160;
-    CHECK_EQ_INT(mm_sm90_wide_tiles(m), 121 * n160 <= 90 * n128);
+    const int a = mm_sm90_wide_count(m), b = mm_sm90_narrow_count(m, a), n128 = (m + 127) / 128;
+    int ok = a >= 0 && a <= 3 && 160 * a + 128 * b >= m;
+    ok = ok && (a == 0 || m > 160 * (a - 1)) && (b == 0 || m - 160 * a - 128 * (b - 1) > 0);
+    if (a == 0) {
+      ok = ok && b == n128;
+    } else {
+      const int cost = 121 * a + 100 * b;
+      ok = ok && 100 * cost <= (100 - MM_SM90_WIDE_SAVING) * 100 * n128;
+      for (int x = 1; x <= 3; x++) {
+        const int rest = m - 160 * x, bx = rest > 0 ? (rest + 127) / 128 : 0;
+        ok = ok && 121 * x + 100 * bx >= cost;
+      }
+    }
+    if (!ok) fprintf(stderr, "# m = %d: a = %d, b = %d\n", m, a, b);
+    CHECK(ok);
+    if (!ok) break;
   }
 }
 
@@ -766,7 +783,7 @@ int main(void) {
   RUN(test_pow2_edges);
   RUN(test_slot_bijection);
   RUN(test_gate_up_order);
-  RUN(test_wide_tiles);
+  RUN(test_wide_split);
   RUN(test_launch_rule);
   RUN(test_prefill_units);
   RUN(test_mode4_kperm);
