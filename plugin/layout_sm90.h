@@ -249,13 +249,14 @@ MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, in
  * rows per local expert from which it runs (AUTO) and from which a plan
  * holds its workspace region, each mode's crossover with the WGMMA kernels
  * (H200, sustained, GLM-5 at EP8, uniform and random loads; docs/PERF.md,
- * versions 26 and 34). Mode 1: 2-4% slower than the WGMMA kernels at 768,
- * 4-8% faster at 896. Mode 3 (version 34, its WGMMA kernels without
- * reference factors): 5% slower at 608 rows, at 640 5% slower on uniform
- * loads (five 128-wide tiles) and 4% faster on random ones, 4-9% faster
- * at 672. */
+ * versions 26, 34 and 39). Mode 1: 2-4% slower than the WGMMA kernels at
+ * 768, 4-8% faster at 896; since version 39's split of the 128+160 pair
+ * level at 800-832 rows (2% slower on uniform loads of 800), 1.5-3.3%
+ * faster at 896. Mode 3: since version 39 2.6-3% slower at 640 rows and
+ * 1-3% at 672, level at 704 (version 34, before the split: at 640 5%
+ * slower on uniform loads and 4% faster on random ones). */
 #define MM_SM90_PREFILL_MIN_ROWS_G32 800
-#define MM_SM90_PREFILL_MIN_ROWS_G16 640
+#define MM_SM90_PREFILL_MIN_ROWS_G16 704
 MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
   return mode == MM_WMODE_G16_FP8 ? MM_SM90_PREFILL_MIN_ROWS_G16 : MM_SM90_PREFILL_MIN_ROWS_G32;
 }
