@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """padding_by_count.py -- how much MMA work the tile shapes add to the rows of
-bench_moe_compute's loads, by count (no GPU; docs/PERF.md, "Padding by count").
+bench_moe_compute's loads, by count (no GPU; docs/PERF.md, version 40).
 
 WGMMA's shapes pad an expert's rows: on the WGMMA path a tile's token columns
 come in steps of 8 (the N of m64nNk32), and the FP8 modes' 32-wide mixed
-kernels (20-59 rows per expert) run 32, 40 or 64 of them (Kern::kNarrow); on
+kernels (21-59 rows per expert) run 32, 40 or 64 of them (Kern::kNarrow); on
 the prefill path tokens are the M side, 64 rows per consumer warpgroup, so an
 expert's last token tile costs 64 or 128 rows whatever it holds. This prints,
 per M and load, the rows those shapes pay for over the rows there are, for
@@ -52,15 +52,15 @@ def step8(m):
 
 
 def mixed32(m):
-    """the FP8 modes' 32-wide mixed kernels: 32-wide tiles, then 64-wide ones
-    of m64n40 MMAs up to 40 rows (experts above 64 rows take several tiles)"""
+    """the FP8 modes' 32-wide mixed kernels: an expert of at most 32 rows
+    takes one 32-wide tile, a larger one 64-wide tiles (its last one, or its
+    only one, with m64n40 MMAs when it holds at most 40 rows)"""
+    if m <= 32:
+        return 32 if m > 0 else 0
     cols = 0
     while m > 0:
-        if m <= 32:
-            cols, m = cols + 32, 0
-        else:
-            t = min(m, 64)
-            cols, m = cols + (40 if t <= 40 else 64), m - t
+        t = min(m, 64)
+        cols, m = cols + (40 if t <= 40 else 64), m - t
     return cols
 
 
