@@ -50,6 +50,7 @@
 
 #include "../bench/bench_gpu.h"  /* CK, timing, the cuBLASLt baseline */
 #include "../bench/bench_util.h" /* OK(): a failed call ends the run */
+#include "../bench/expert_counts.h"
 #include "moe_compute.h"
 
 /* The same FLOPs as the expert compute, dense, in type ab: [M,H]x[H,2I] then
@@ -86,8 +87,7 @@ static void compute_set(const mm_sm90_layer *L, const input_set *s, int M, void 
 int main(int argc, char **argv) {
   int gran = 32, requant = 0, bf16_exact = 0, E = 32, H = 6144, I = 2048, iters = 20;
   int profile_only = 0, block_refs = 0, out_rows = 0;
-  int loads[4] = {1, 1, 1, 0}; /* uniform, skewed, random, zipf */
-  static const char *const kLoadName[4] = {"uniform", "skewed", "random", "zipf"};
+  int loads[MM_LOAD_COUNT] = {1, 1, 1, 0}; /* uniform, skewed, random, zipf */
   mm_sm90_path path = MM_SM90_PATH_AUTO;
   int prefill_experts = MM_SM90_PREFILL_EXPERTS_DEFAULT;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
@@ -114,9 +114,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--loads")) {
       loads[0] = loads[1] = loads[2] = loads[3] = 0;
       for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {
-        int k = 0;
-        while (k < 4 && strcmp(t, kLoadName[k])) k++;
-        if (k == 4) {
+        const int k = mm_load_by_name(t);
+        if (k < 0) {
           fprintf(stderr, "--loads: unknown load %s (uniform, skewed, random, zipf)\n", t);
           return 2;
         }
@@ -230,41 +229,21 @@ int main(int argc, char **argv) {
          "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   for (int mi = 0; mi < nM; mi++)
-    for (int load = 0; load < 4; load++) {
+    for (int load = 0; load < MM_LOAD_COUNT; load++) {
       if (!loads[load]) continue;
       const int M = Ms[mi];
       int *offs = malloc(sizeof(int) * (E + 1));
-      /* uniform: M/E each; skewed: expert 0 takes half, the rest share the
-       * rest; random and zipf: each row's expert drawn (xorshift, seeded by
-       * M, so every build sees the same counts), uniformly or with weight
-       * 1 / (e + 1) */
-      int *cnt = calloc((size_t)E, sizeof(int));
-      double zsum = 0.0;
-      for (int e = 0; e < E; e++) zsum += 1.0 / (e + 1);
-      uint32_t rng = 0x9E3779B9u ^ (uint32_t)M;
-      for (int r = 0; load >= 2 && r < M; r++) {
-        rng ^= rng << 13;
-        rng ^= rng >> 17;
-        rng ^= rng << 5;
-        int e = (int)(((uint64_t)rng * (uint64_t)E) >> 32);
-        if (load == 3) { /* the first expert whose cumulative weight passes u */
-          const double u = rng / 4294967296.0 * zsum;
-          double acc = 1.0;
-          e = 0;
-          while (e < E - 1 && acc <= u) acc += 1.0 / (++e + 1);
-        }
-        cnt[e]++;
+      int *cnt = malloc(sizeof(int) * (size_t)E);
+      if (!offs || !cnt) {
+        fprintf(stderr, "out of host memory\n");
+        exit(1);
       }
+      mm_load_counts(load, M, E, cnt); /* bench/expert_counts.h */
       int most = 0;
       offs[0] = 0;
       for (int e = 0; e < E; e++) {
-        int c;
-        if (load >= 2) c = cnt[e];
-        else if (load == 0) c = M / E + (e < M % E);
-        else if (e == 0) c = E > 1 ? M / 2 : M;
-        else c = (M - M / 2) / (E - 1) + (e - 1 < (M - M / 2) % (E - 1));
-        offs[e + 1] = offs[e] + c;
-        if (c > most) most = c;
+        offs[e + 1] = offs[e] + cnt[e];
+        if (cnt[e] > most) most = cnt[e];
       }
       free(cnt);
       const size_t set_bytes = (size_t)M * H * 3 + (size_t)M * (H / 128 + 1) * 4;
@@ -357,10 +336,10 @@ int main(int argc, char **argv) {
       baseline_cells(lt_ms, ms, lt, ratio);
       baseline_cells(lt16_ms, ms, lt16, ratio16);
       char note[32] = "";
-      if (load == 1) snprintf(note, sizeof note, " (e0: M/2)");
-      if (load >= 2) snprintf(note, sizeof note, " (max %d)", most);
+      if (load == MM_LOAD_SKEWED) snprintf(note, sizeof note, " (e0: M/2)");
+      if (load >= MM_LOAD_RANDOM) snprintf(note, sizeof note, " (max %d)", most);
       printf("| %d %s | %.0f%s | %.1f | %.1f | %.2f | %s | %s | %s | %s | %s | %s | %s |\n", M,
-             kLoadName[load], (double)M / E, note, ms * 1e3, tf, wtbs, hbm, pk, pk16, lt, ratio,
+             mm_load_names[load], (double)M / E, note, ms * 1e3, tf, wtbs, hbm, pk, pk16, lt, ratio,
              lt16, ratio16);
       fflush(stdout);
       free(t);

@@ -11,9 +11,10 @@ per M and load, the rows those shapes pay for over the rows there are, for
 one EP8 rank of GLM-5 (32 local experts): the floor (steps of 8), and the
 shapes of the path that runs at that average (the 32-wide mixed kernels at
 21-49 rows per expert, where no pair runs; the prefill path from 704 rows,
-mode 3's threshold; "-" elsewhere). The counts are the benchmark's own
-(kernels/bench_moe_compute.c: uniform, skewed, random: each row's expert
-drawn by xorshift seeded with M, zipf: weight 1 / (e + 1)).
+mode 3's threshold; "-" elsewhere). The counts are the benchmark's own,
+drawn as bench/expert_counts.c draws them (uniform, skewed, random: each
+row's expert drawn by xorshift seeded with M, zipf: weight 1 / (e + 1));
+tests/test_padding_by_count.sh checks this copy against that file's.
 
   scripts/padding_by_count.py [--M 1024,32768] [--experts 32]
 """

@@ -3,15 +3,17 @@
 # counts add up to M, uniform loads pay nothing, and the rows that version
 # 40 states come out as stated (random loads at M = 1024: +11.7% at steps of
 # 8, +18.0% in the 32-wide kernels; at 32768 +3.5% on the prefill path; the
-# columns of paths that do not run at that average are "-"). Skips without
-# python3.
+# columns of paths that do not run at that average are "-"), and its copy
+# of the benchmark's count generator gives the benchmark's counts
+# (bench/expert_counts.c, printed by tests/expert_counts_dump). Skips
+# without python3.
 s=${MEGAMOE_SRCDIR:-$(dirname "$0")/..}
 if ! command -v python3 >/dev/null 2>&1; then
   echo "1..0 # SKIP no python3"
   exit 0
 fi
 out=$(python3 "$s/scripts/padding_by_count.py" --M 1024,32768) || { echo "1..1"; echo "not ok 1 - script failed"; exit 0; }
-echo "1..5"
+echo "1..6"
 n=0
 check() { # check NAME LINE-PATTERN
   n=$((n + 1))
@@ -35,3 +37,31 @@ for M in (1, 31, 1024, 4097):
         assert len(c) == 32 and sum(c) == M and min(c) >= 0, (M, load)
 PY
 then echo "ok $n - counts sum to M"; else echo "not ok $n - counts sum to M"; fi
+# the script's counts are the benchmark's: every load, several M and E
+n=$((n + 1))
+dump=${MEGAMOE_BUILDDIR:-.}/tests/expert_counts_dump
+Ms=0,1,7,31,256,1024,1025,4097,32768
+for E in 1 3 32 256; do
+  if ! "$dump" $E $Ms > "${TMPDIR:-/tmp}/mm_counts_c.$$" 2>&1; then
+    echo "not ok $n - counts are the benchmark's (E $E: $dump failed)"
+    rm -f "${TMPDIR:-/tmp}/mm_counts_c.$$"
+    exit 0
+  fi
+  if ! python3 - "$s/scripts" $E $Ms <<'PY' | cmp -s - "${TMPDIR:-/tmp}/mm_counts_c.$$"
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.dont_write_bytecode = True
+from padding_by_count import counts
+E = int(sys.argv[2])
+for M in map(int, sys.argv[3].split(",")):
+    for load in ("uniform", "skewed", "random", "zipf"):
+        print(M, load, *counts(M, E, load))
+PY
+  then
+    echo "not ok $n - counts are the benchmark's (E $E differs)"
+    rm -f "${TMPDIR:-/tmp}/mm_counts_c.$$"
+    exit 0
+  fi
+done
+rm -f "${TMPDIR:-/tmp}/mm_counts_c.$$"
+echo "ok $n - counts are the benchmark's (E 1, 3, 32, 256; M $Ms)"
