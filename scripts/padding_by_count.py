@@ -16,7 +16,7 @@ drawn as bench/expert_counts.c draws them (uniform, skewed, random: each
 row's expert drawn by xorshift seeded with M, zipf: weight 1 / (e + 1));
 tests/test_padding_by_count.sh checks this copy against that file's.
 
-  scripts/padding_by_count.py [--M 1024,32768] [--experts 32]
+  scripts/padding_by_count.py [--M 1024,32768] [--experts 32] [--narrow 16,32]
 """
 import argparse
 
@@ -72,13 +72,34 @@ def prefill(m):
     return 128 * full + (0 if rest == 0 else 64 if rest <= 64 else 128)
 
 
+def prefill_narrow(most):
+    """the prefill path with a last tile of at most `most` rows on m64n16
+    (or, above 16 rows, m64n32) MMAs with the operands turned around, both
+    warpgroups (docs/PERF.md, version 41: branch proto/pf-swap-tail)"""
+    def f(m):
+        full, rest = divmod(m, 128)
+        if 0 < rest <= most:
+            return 128 * full + (16 if rest <= 16 else 32)
+        return prefill(m)
+    return f
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--M", default="1024,32768", help="pool rows, comma-separated")
     ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--narrow", metavar="L1,L2",
+                    help="a further column: the prefill path with narrow last tiles of at most "
+                         "L1 / L2 rows in the two GEMMs (16 or 32), weighted by their FLOPs "
+                         "(L1 two thirds)")
     a = ap.parse_args()
-    print("| M | load | rows per expert (min-max) | steps of 8 | 32-wide mixed kernels | prefill path |")
-    print("|---|---|---|---|---|---|")
+    narrow = [int(x) for x in a.narrow.split(",")] if a.narrow else None
+    if narrow and (len(narrow) != 2 or any(n not in (0, 16, 32) for n in narrow)):
+        ap.error("--narrow takes two of 0, 16, 32")
+    extra = " prefill, narrow last tiles |" if narrow else ""
+    print("| M | load | rows per expert (min-max) | steps of 8 | 32-wide mixed kernels | prefill path |"
+          + extra)
+    print("|---|---|---|---|---|---|" + ("---|" if narrow else ""))
     for M in (int(x) for x in a.M.split(",")):
         for load in ("uniform", "random", "skewed", "zipf"):
             c = counts(M, a.experts, load)
@@ -87,9 +108,14 @@ def main():
             def pct(f, runs=True):
                 return "%+.1f%%" % (100.0 * (sum(f(m) for m in c) / M - 1)) if runs else "-"
 
-            print("| %d | %s | %d-%d | %s | %s | %s |"
-                  % (M, load, min(c), max(c), pct(step8), pct(mixed32, 21 <= avg <= 49),
-                     pct(prefill, avg >= 704)))
+            line = "| %d | %s | %d-%d | %s | %s | %s |" % (
+                M, load, min(c), max(c), pct(step8), pct(mixed32, 21 <= avg <= 49),
+                pct(prefill, avg >= 704))
+            if narrow:
+                l1, l2 = (sum(prefill_narrow(n)(m) for m in c) / M for n in narrow)
+                line += " %s |" % ("%+.1f%%" % (100.0 * ((2 * l1 + l2) / 3 - 1))
+                                   if avg >= 704 else "-")
+            print(line)
 
 
 if __name__ == "__main__":
