@@ -112,7 +112,7 @@ int main(int argc, char **argv) {
                                      : MM_SM90_PATH_WGMMA,
       i++;
     else if (!strcmp(a, "--loads")) {
-      loads[0] = loads[1] = loads[2] = loads[3] = 0;
+      memset(loads, 0, sizeof(loads));
       for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {
         const int k = mm_load_by_name(t);
         if (k < 0) {

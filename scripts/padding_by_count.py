@@ -112,9 +112,8 @@ def main():
                 M, load, min(c), max(c), pct(step8), pct(mixed32, 21 <= avg <= 49),
                 pct(prefill, avg >= 704))
             if narrow:
-                l1, l2 = (sum(prefill_narrow(n)(m) for m in c) / M for n in narrow)
-                line += " %s |" % ("%+.1f%%" % (100.0 * ((2 * l1 + l2) / 3 - 1))
-                                   if avg >= 704 else "-")
+                n1, n2 = (prefill_narrow(n) for n in narrow)
+                line += " %s |" % pct(lambda m: (2 * n1(m) + n2(m)) / 3, avg >= 704)
             print(line)
 
 
