@@ -15,6 +15,8 @@
 #define MAX_TOKEN_SIZES 8
 #define MAX_RANKS 64        /* threads of one process */
 #define MAX_MP_WORLD 65536  /* processes */
+#define MAX_LAYERS 1024     /* layers of one checkpoint */
+#define MAX_ITERS 1024      /* timed iterations per token size */
 
 typedef struct {
   const char *plugin, *plugin_dir, *config, *checkpoint;
@@ -59,7 +61,7 @@ typedef struct {
   double prepare_s, load_bytes;
   uint64_t plan_device_bytes;
   double median_ms[MAX_TOKEN_SIZES];
-  /* inputs/outputs of the first token size at layer 0, for the check */
+  /* inputs/outputs of the first nonzero token size at layer 0, for the check */
   int T0;
   uint16_t *hidden, *out;
   int32_t *ids;
@@ -75,7 +77,7 @@ void rank_work_release(rank_work *w);
 typedef struct {
   int gpus, world, ep; /* ep: ep-size; world/ep independent expert-parallel groups */
   mm_st_ckpt *ck;
-  int layers[1024], num_layers;
+  int layers[MAX_LAYERS], num_layers;
   int H, K, E;
 } host_setup;
 /* Rank r of the setup on `device`: its place in its expert-parallel group

@@ -58,7 +58,7 @@ static int read_phases(megamoe_op *op, step_phases *p) {
 /* Median of each phase over the timed iterations, one line per rank. */
 static void print_phases(int rank, int T, const step_phases *p, int n) {
   if (n <= 0) return;
-  double v[3][1024];
+  double v[3][MAX_ITERS];
   for (int i = 0; i < n; i++) v[0][i] = p[i].d_us, v[1][i] = p[i].x_us, v[2][i] = p[i].c_us;
   for (int k = 0; k < 3; k++) qsort(v[k], (size_t)n, sizeof(double), cmp_double);
   const double d = v[0][n / 2], x = v[1][n / 2], c = v[2][n / 2];
@@ -377,6 +377,8 @@ void rank_main(void *arg) {
   w->prepare_s = now_s() - t0;
   int Tmax = 0;
   for (int i = 0; i < opt.num_tokens; i++) Tmax = opt.tokens[i] > Tmax ? opt.tokens[i] : Tmax;
+  int check_ti = 0;
+  while (check_ti + 1 < opt.num_tokens && opt.tokens[check_ti] == 0) check_ti++;
   megamoe_op_plan_args pl;
   memset(&pl, 0, sizeof pl);
   pl.struct_size = MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE;
@@ -400,9 +402,9 @@ void rank_main(void *arg) {
       fprintf(stderr, "rank %d: out of memory for %d tokens\n", w->rank, T);
       goto fail;
     }
-    double times[1024];
-    int iters = opt.iters < 1024 ? opt.iters : 1024;
-    step_phases ph[1024];
+    double times[MAX_ITERS];
+    int iters = opt.iters; /* at most MAX_ITERS: parse_args */
+    step_phases ph[MAX_ITERS];
     int nph = 0;
     for (int it = -opt.warmup; it < iters; it++) {
       if (g_group->sync()) goto fail; /* ranks execute together, as in serving */
@@ -412,8 +414,8 @@ void rank_main(void *arg) {
       if (device_sync(w->device)) goto fail;
       if (it >= 0) times[it] = (now_s() - s) / w->num_layers;
       if (it >= 0 && read_phases(op, &ph[nph])) nph++;
-      if (it == -opt.warmup && ti == 0) {
-        /* keep layer-0 output of the first size for the reference check */
+      if (it == -opt.warmup && ti == check_ti) {
+        /* keep layer-0 output of the first nonempty size for the reference check */
         if (report(run_execute(w, op, 0, T, dh, di, dw, dout), "execute")) goto fail;
         if (device_sync(w->device) ||
             dev_to_host(w->device, w->out, dout, sizeof(uint16_t) * (size_t)T * w->H))
@@ -430,7 +432,7 @@ void rank_main(void *arg) {
     dev_free(w->device, dout);
     dh = di = dw = dout = NULL;
   }
-  make_inputs(w, w->T0); /* the check needs the first size's inputs back */
+  make_inputs(w, w->T0); /* the check needs that size's inputs back */
   w->ok = 1;
   goto done;
 fail:

@@ -95,17 +95,46 @@ static void abort_ranks(const char *why) {
 static const host_group threaded_group = {sync_ranks, abort_ranks};
 
 /* ---- options --------------------------------------------------------------------- */
+/* Every refused option says which one and why, so a typo never runs
+ * something other than what was asked for. */
+#define MAX_TOKENS_PER_SIZE (1 << 20)
+
 static int parse_tokens(const char *s) {
   opt.num_tokens = 0;
-  while (*s && opt.num_tokens < MAX_TOKEN_SIZES) {
+  while (*s) {
     char *end;
     long v = strtol(s, &end, 10);
-    if (end == s || v < 0 || v > (1 << 20)) return -1;
+    if (end == s || v < 0 || v > MAX_TOKENS_PER_SIZE || (*end && *end != ',') ||
+        opt.num_tokens == MAX_TOKEN_SIZES)
+      return -1;
     opt.tokens[opt.num_tokens++] = (int)v;
     s = *end == ',' ? end + 1 : end;
-    if (*end && *end != ',') return -1;
   }
   return opt.num_tokens ? 0 : -1;
+}
+
+static int takes_value(const char *a) {
+  static const char *const names[] = {
+      "--plugin", "--plugin-dir", "--config", "--checkpoint", "--rendezvous", "--world",
+      "--layers", "--iters", "--warmup", "--check-tokens", "--seed", "--rank", "--local-device",
+      "--rendezvous-timeout", "--tolerance", "--tokens", "--set"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (!strcmp(a, names[i])) return 1;
+  return 0;
+}
+
+/* An integer option's value in [lo, hi]. */
+static int take_int(const char *name, const char *v, long lo, long hi, int *out) {
+  char *end;
+  errno = 0;
+  long x = v ? strtol(v, &end, 10) : 0;
+  if (!v || !*v || *end || errno || x < lo || x > hi) {
+    fprintf(stderr, "megamoe-host: %s needs an integer in [%ld, %ld]%s%s%s\n", name, lo, hi,
+            v ? ", not '" : "", v ? v : "", v ? "'" : "");
+    return -1;
+  }
+  *out = (int)x;
+  return 0;
 }
 
 static int parse_args(int argc, char **argv) {
@@ -115,68 +144,82 @@ static int parse_args(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define TAKE(field) \
-  do {              \
-    if (!v) return -1; \
-    field = v;      \
-    i++;            \
-  } while (0)
-#define TAKE_INT(field)                                     \
-  do {                                                      \
-    char *end_;                                             \
-    long v_ = v ? strtol(v, &end_, 10) : 0;                 \
-    if (!v || !*v || *end_ || v_ < -1000000000 || v_ > 1000000000) { \
-      fprintf(stderr, "megamoe-host: %s needs an integer\n", a); \
-      return -1;                                            \
-    }                                                       \
-    field = (int)v_;                                        \
-    i++;                                                    \
-  } while (0)
-    if (!strcmp(a, "--plugin")) TAKE(opt.plugin);
-    else if (!strcmp(a, "--plugin-dir")) TAKE(opt.plugin_dir);
-    else if (!strcmp(a, "--config")) TAKE(opt.config);
-    else if (!strcmp(a, "--checkpoint")) TAKE(opt.checkpoint);
-    else if (!strcmp(a, "--validate")) opt.validate = 1;
+    /* options without a value */
+    if (!strcmp(a, "--validate")) opt.validate = 1;
     else if (!strcmp(a, "--list")) opt.list = 1;
     else if (!strcmp(a, "--cpu")) opt.force_cpu = 1;
-    else if (!strcmp(a, "--world")) TAKE_INT(opt.world);
-    else if (!strcmp(a, "--layers")) TAKE_INT(opt.layers);
-    else if (!strcmp(a, "--iters")) TAKE_INT(opt.iters);
-    else if (!strcmp(a, "--warmup")) TAKE_INT(opt.warmup);
-    else if (!strcmp(a, "--check-tokens")) TAKE_INT(opt.check_tokens);
-    else if (!strcmp(a, "--seed")) TAKE_INT(opt.seed);
-    else if (!strcmp(a, "--rank")) TAKE_INT(opt.rank);
-    else if (!strcmp(a, "--local-device")) TAKE_INT(opt.local_device);
-    else if (!strcmp(a, "--rendezvous")) TAKE(opt.rendezvous);
     else if (!strcmp(a, "--rendezvous-serve")) opt.rendezvous_serve = 1;
     else if (!strcmp(a, "--no-rendezvous-serve")) opt.rendezvous_serve = 0;
-    else if (!strcmp(a, "--rendezvous-timeout")) TAKE_INT(opt.rendezvous_timeout_s);
-    else if (!strcmp(a, "--tolerance")) {
-      if (!v) return -1;
-      opt.tolerance = atof(v);
-      i++;
-    } else if (!strcmp(a, "--tokens")) {
-      if (!v || parse_tokens(v)) return -1;
-      i++;
-    } else if (!strcmp(a, "--set")) {
-      if (!v || opt.num_sets == MAX_SETS || strlen(v) >= sizeof set_buf[0]) return -1;
-      char *kv = set_buf[opt.num_sets];
-      strcpy(kv, v);
-      char *eq = strchr(kv, '=');
-      if (!eq) return -1;
-      *eq = '\0';
-      opt.sets[opt.num_sets++] = (megamoe_kv){kv, eq + 1};
-      i++;
-    } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
       usage();
       exit(0);
-    } else {
+    } else if (!takes_value(a)) {
       fprintf(stderr, "megamoe-host: unknown argument '%s'\n", a);
       return -1;
+    } else if (!v) {
+      fprintf(stderr, "megamoe-host: %s needs a value\n", a);
+      return -1;
+    } else {
+      /* options with a value */
+      int bad = 0;
+      i++;
+      if (!strcmp(a, "--plugin")) opt.plugin = v;
+      else if (!strcmp(a, "--plugin-dir")) opt.plugin_dir = v;
+      else if (!strcmp(a, "--config")) opt.config = v;
+      else if (!strcmp(a, "--checkpoint")) opt.checkpoint = v;
+      else if (!strcmp(a, "--rendezvous")) opt.rendezvous = v;
+      else if (!strcmp(a, "--world")) bad = take_int(a, v, 1, MAX_MP_WORLD, &opt.world);
+      else if (!strcmp(a, "--layers")) bad = take_int(a, v, 1, MAX_LAYERS, &opt.layers);
+      else if (!strcmp(a, "--iters")) bad = take_int(a, v, 1, MAX_ITERS, &opt.iters);
+      else if (!strcmp(a, "--warmup")) bad = take_int(a, v, 0, 1000, &opt.warmup);
+      else if (!strcmp(a, "--check-tokens"))
+        bad = take_int(a, v, 0, MAX_TOKENS_PER_SIZE, &opt.check_tokens);
+      else if (!strcmp(a, "--seed")) bad = take_int(a, v, -1000000000, 1000000000, &opt.seed);
+      else if (!strcmp(a, "--rank")) bad = take_int(a, v, 0, MAX_MP_WORLD - 1, &opt.rank);
+      else if (!strcmp(a, "--local-device")) bad = take_int(a, v, 0, 1023, &opt.local_device);
+      else if (!strcmp(a, "--rendezvous-timeout"))
+        bad = take_int(a, v, 1, 86400, &opt.rendezvous_timeout_s);
+      else if (!strcmp(a, "--tolerance")) {
+        char *end;
+        opt.tolerance = strtod(v, &end);
+        if (!*v || *end || !isfinite(opt.tolerance) || opt.tolerance < 0) {
+          fprintf(stderr, "megamoe-host: --tolerance needs a finite number >= 0, not '%s'\n", v);
+          bad = 1;
+        }
+      } else if (!strcmp(a, "--tokens")) {
+        if (parse_tokens(v)) {
+          fprintf(stderr,
+                  "megamoe-host: --tokens needs 1 to %d comma-separated token counts in "
+                  "[0, %d], not '%s'\n",
+                  MAX_TOKEN_SIZES, MAX_TOKENS_PER_SIZE, v);
+          bad = 1;
+        }
+      } else if (!strcmp(a, "--set")) {
+        const char *eq = strchr(v, '=');
+        if (!eq || eq == v) {
+          fprintf(stderr, "megamoe-host: --set needs KEY=VALUE, not '%s'\n", v);
+          bad = 1;
+        } else if (opt.num_sets == MAX_SETS || strlen(v) >= sizeof set_buf[0]) {
+          fprintf(stderr, "megamoe-host: at most %d --set options of under %zu characters\n",
+                  MAX_SETS, sizeof set_buf[0]);
+          bad = 1;
+        } else {
+          char *kv = set_buf[opt.num_sets];
+          strcpy(kv, v);
+          kv[eq - v] = '\0';
+          opt.sets[opt.num_sets++] = (megamoe_kv){kv, kv + (eq - v) + 1};
+        }
+      }
+      if (bad) return -1;
     }
   }
-  if (opt.iters < 1) opt.iters = 1;
-  if (opt.warmup < 1) opt.warmup = 1;
+  int any_tokens = 0;
+  for (int i = 0; i < opt.num_tokens; i++) any_tokens |= opt.tokens[i] > 0;
+  if (!any_tokens && opt.check_tokens > 0) {
+    fprintf(stderr, "megamoe-host: every --tokens size is 0, so no token is checked against the "
+                    "reference\n");
+    opt.check_tokens = 0;
+  }
   if (!opt.rendezvous) {
     if (opt.rank >= 0 || opt.local_device >= 0 || opt.rendezvous_serve >= 0) {
       fprintf(stderr, "megamoe-host: --rank, --local-device and --[no-]rendezvous-serve need --rendezvous\n");
@@ -192,10 +235,6 @@ static int parse_args(int argc, char **argv) {
   }
   if (opt.list || opt.validate) {
     fprintf(stderr, "megamoe-host: --list and --validate run without --rendezvous\n");
-    return -1;
-  }
-  if (opt.rendezvous_timeout_s < 1) {
-    fprintf(stderr, "megamoe-host: --rendezvous-timeout must be at least 1 second\n");
     return -1;
   }
   return 0;
@@ -247,13 +286,18 @@ static int prepare_run(host_setup *su) {
   megamoe_op_create_args vca = create_args(0, -1);
   if (report(g_api->validate_config(&vca), opt.config)) return 1;
   if (report(mm_st_ckpt_open(opt.checkpoint, &su->ck), "checkpoint")) return 1;
-  su->num_layers = find_layers(su->ck, su->layers, 1024);
-  if (opt.layers > 0 && opt.layers < su->num_layers) su->num_layers = opt.layers;
+  su->num_layers = find_layers(su->ck, su->layers, MAX_LAYERS);
   if (su->num_layers == 0) {
     fprintf(stderr, "megamoe-host: %s has no model.layers.N.mlp.experts.* tensors\n",
             opt.checkpoint);
     return 1;
   }
+  if (opt.layers > su->num_layers) {
+    fprintf(stderr, "megamoe-host: --layers %d, but %s holds %d layer(s)\n", opt.layers,
+            opt.checkpoint, su->num_layers);
+    return 2;
+  }
+  if (opt.layers > 0) su->num_layers = opt.layers;
   if (probe_shapes(&su->H, &su->K, &su->E)) return 1;
   return 0;
 }

@@ -782,6 +782,23 @@ out:
 
 /* ---- main ---------------------------------------------------------------------------- */
 
+/* The options each command takes; any other is refused rather than ignored. */
+static int command_takes(const char *cmd, const char *a) {
+  static const struct {
+    const char *cmd, *opts;
+  } table[] = {
+      {"requant", " --in --out --max-rel-error --threads "},
+      {"sm100-layout", " --in --out --gran --threads "},
+      {"convert", " --in --out --layout --requant --max-rel-error --threads "},
+  };
+  char key[40];
+  if (strlen(a) + 3 > sizeof key) return 0;
+  snprintf(key, sizeof key, " %s ", a);
+  for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+    if (!strcmp(cmd, table[i].cmd)) return strstr(table[i].opts, key) != NULL;
+  return 0;
+}
+
 int main(int argc, char **argv) {
   opts o = {0};
   o.max_rel = -1;
@@ -791,8 +808,16 @@ int main(int argc, char **argv) {
     return argc < 2 ? 2 : 0;
   }
   o.cmd = argv[1];
+  if (!command_takes(o.cmd, "--in")) {
+    fprintf(stderr, "megamoe-prep: unknown command '%s'\n%s", o.cmd, kUsage);
+    return 2;
+  }
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!command_takes(o.cmd, a)) {
+      fprintf(stderr, "megamoe-prep: %s does not take '%s'\n%s", o.cmd, a, kUsage);
+      return 2;
+    }
     if (!strcmp(a, "--requant")) {
       o.requant = 1;
       continue;
@@ -803,18 +828,26 @@ int main(int argc, char **argv) {
     }
     i++;
     char *end = NULL;
+    int bad = 0;
     if (!strcmp(a, "--in")) o.in = v;
     else if (!strcmp(a, "--out")) o.out = v;
     else if (!strcmp(a, "--layout")) o.layout = v;
-    else if (!strcmp(a, "--max-rel-error")) o.max_rel = strtod(v, &end);
-    else if (!strcmp(a, "--threads")) o.threads = (int)strtol(v, &end, 10);
-    else if (!strcmp(a, "--gran")) o.gran = (int)strtol(v, &end, 10);
-    else {
-      fprintf(stderr, "megamoe-prep: unknown option %s\n%s", a, kUsage);
-      return 2;
+    else if (!strcmp(a, "--max-rel-error")) {
+      o.max_rel = strtod(v, &end);
+      bad = !isfinite(o.max_rel) || o.max_rel < 0; /* a negative limit means none, inside */
+    } else if (!strcmp(a, "--threads")) {
+      long t = strtol(v, &end, 10);
+      bad = t < 0 || t > 4096;
+      o.threads = (int)t;
+    } else if (!strcmp(a, "--gran")) {
+      o.gran = (int)strtol(v, &end, 10);
+      bad = o.gran != 16 && o.gran != 32;
     }
-    if (end && (*end || end == v)) {
-      fprintf(stderr, "megamoe-prep: %s: bad number '%s'\n", a, v);
+    if (bad || (end && (*end || end == v))) {
+      fprintf(stderr, "megamoe-prep: %s: bad value '%s' (%s)\n", a, v,
+              !strcmp(a, "--gran")      ? "16 or 32"
+              : !strcmp(a, "--threads") ? "0 to 4096; 0: all cores"
+                                        : "a finite number >= 0");
       return 2;
     }
   }
@@ -822,13 +855,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "megamoe-prep: --in and --out are required\n%s", kUsage);
     return 2;
   }
-  if (o.gran && o.gran != 16 && o.gran != 32) {
-    fprintf(stderr, "megamoe-prep: --gran must be 16 or 32\n");
-    return 2;
-  }
   if (!strcmp(o.cmd, "requant")) return cmd_requant(&o);
   if (!strcmp(o.cmd, "sm100-layout")) return cmd_sm100(&o);
-  if (!strcmp(o.cmd, "convert")) return cmd_convert(&o);
-  fprintf(stderr, "megamoe-prep: unknown command %s\n%s", o.cmd, kUsage);
-  return 2;
+  return cmd_convert(&o);
 }
