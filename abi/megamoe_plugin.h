@@ -198,7 +198,9 @@ typedef struct megamoe_host_services {
   void *extension;
   void *host_ctx; /* passed back as the first argument of every callback */
 
-  /* Log sink. NULL: the plugin writes to stderr. `message` has no newline. */
+  /* Log sink. NULL: the plugin writes to stderr. `message` has no newline.
+   * The plugin has already dropped messages above the level in force (the
+   * op's `log-level` config key, or MEGAMOE_LOG_LEVEL; docs/CONFIG.md). */
   void (*log)(void *host_ctx, megamoe_log_level level, const char *message);
 
   /* Optional device allocator. Returns 0 and sets *ptr on success. When NULL

@@ -94,8 +94,14 @@ struct mm_op {
   char fatal_message[512];
 };
 
-/* Logging through the host's services (entry.c). */
+/* Logging through the host's services (entry.c). A message is dropped when
+ * its level is above MEGAMOE_LOG_LEVEL if set, else above the log-level of
+ * the op whose call runs on this thread (the scope below), else above info. */
 void mm_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* For the duration of an op's ABI call: returns the previous scope, which
+ * mm_log_scope_leave restores. */
+int mm_log_scope_enter(int op_log_level);
+void mm_log_scope_leave(int prev);
 /* The host's services table (copied at init); fields may be NULL. */
 struct megamoe_host_services;
 const struct megamoe_host_services *mm_host_services(void);

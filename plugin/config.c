@@ -26,6 +26,8 @@
 #include <unistd.h>
 #include <yaml.h>
 
+#include "spelling.h"
+
 /* Enum fields are written through `int *`. */
 _Static_assert(sizeof(mm_requant_policy) == sizeof(int), "enum size");
 _Static_assert(sizeof(mm_compute_mode) == sizeof(int), "enum size");
@@ -182,33 +184,6 @@ static int is_section(const char *name) {
 
 /* ---- suggestions ---------------------------------------------------------- */
 
-/* Optimal string alignment distance (a transposition costs 1), with three
- * rolling rows; inputs are capped at MM_CONFIG_MAX_KEY bytes. */
-static int osa_distance(const char *a, const char *b) {
-  size_t n = strlen(a), m = strlen(b);
-  if (n > MM_CONFIG_MAX_KEY || m > MM_CONFIG_MAX_KEY) return INT_MAX;
-  int rows[3][MM_CONFIG_MAX_KEY + 1];
-  int *pp = rows[0], *prev = rows[1], *cur = rows[2];
-  for (size_t j = 0; j <= m; j++) prev[j] = (int)j;
-  for (size_t i = 1; i <= n; i++) {
-    cur[0] = (int)i;
-    for (size_t j = 1; j <= m; j++) {
-      int cost = a[i - 1] != b[j - 1];
-      int v = prev[j] + 1;
-      if (cur[j - 1] + 1 < v) v = cur[j - 1] + 1;
-      if (prev[j - 1] + cost < v) v = prev[j - 1] + cost;
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && pp[j - 2] + 1 < v)
-        v = pp[j - 2] + 1;
-      cur[j] = v;
-    }
-    int *t = pp;
-    pp = prev;
-    prev = cur;
-    cur = t;
-  }
-  return prev[m];
-}
-
 static const char *leaf(const char *name) {
   const char *dot = strrchr(name, '.');
   return dot ? dot + 1 : name;
@@ -227,9 +202,9 @@ static const char *suggest_key(const char *key) {
   size_t nsec = sizeof sections / sizeof *sections;
   for (size_t i = 0; i < NUM_KEYS + nsec; i++) {
     const char *c = i < NUM_KEYS ? keys[i].name : sections[i - NUM_KEYS];
-    int d = osa_distance(key, c);
-    int d2 = osa_distance(leaf(key), c);
-    int d3 = osa_distance(key, leaf(c));
+    int d = mm_osa_distance(key, c);
+    int d2 = mm_osa_distance(leaf(key), c);
+    int d3 = mm_osa_distance(key, leaf(c));
     if (d2 != INT_MAX && d2 + 1 < d) d = d2 + 1;
     if (d3 != INT_MAX && d3 + 1 < d) d = d3 + 1;
     if (len >= 4 && !strncmp(c, key, len) && limit < d) d = limit; /* a truncated name */
@@ -245,7 +220,7 @@ static const char *suggest_enum(const char *const *names, const char *v) {
   const char *best = NULL;
   int best_d = INT_MAX;
   for (int i = 0; names[i]; i++) {
-    int d = osa_distance(v, names[i]);
+    int d = mm_osa_distance(v, names[i]);
     if (d < best_d) best_d = d, best = names[i];
   }
   return best_d <= limit ? best : NULL;

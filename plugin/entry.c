@@ -1,11 +1,14 @@
 /* entry.c -- the exported ABI entry point: negotiates the ABI version, keeps
- * a copy of the host's services, registers the operator, routes log lines. */
+ * a copy of the host's services, registers the operator, routes log lines
+ * (filtered by the level of the op whose call is logging, docs/CONFIG.md
+ * "log-level"). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
+#include "env_knobs.h"
 #include "megamoe_plugin.h"
 #include "op_api.h"
 #include "status.h"
@@ -14,13 +17,26 @@
 
 static megamoe_host_services g_services;
 static int g_initialized;
-static int g_log_level = MEGAMOE_LOG_INFO;
+/* MEGAMOE_LOG_LEVEL, read at init: overrides every op's log-level; -1 unset. */
+static int g_env_log_level = -1;
+/* The log-level of the op whose ABI call runs on this thread; -1 outside one. */
+static _Thread_local int t_op_log_level = -1;
 
 const megamoe_host_services *mm_host_services(void) { return g_initialized ? &g_services : NULL; }
 int mm_plugin_initialized(void) { return g_initialized; }
 
+int mm_log_scope_enter(int op_log_level) {
+  const int prev = t_op_log_level;
+  t_op_log_level = op_log_level;
+  return prev;
+}
+void mm_log_scope_leave(int prev) { t_op_log_level = prev; }
+
 void mm_log(int level, const char *fmt, ...) {
-  if (level > g_log_level) return;
+  const int limit = g_env_log_level >= 0 ? g_env_log_level
+                    : t_op_log_level >= 0 ? t_op_log_level
+                                          : MEGAMOE_LOG_INFO;
+  if (level > limit) return;
   char msg[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -32,6 +48,11 @@ void mm_log(int level, const char *fmt, ...) {
     static const char *names[] = {"error", "warn", "info", "debug"};
     fprintf(stderr, "megamoe %s: %s\n", names[level < 0 ? 0 : level > 3 ? 3 : level], msg);
   }
+}
+
+static void warn_env(void *ctx, const char *msg) {
+  (void)ctx;
+  mm_log(MEGAMOE_LOG_WARN, "%s", msg);
 }
 
 static void plugin_finalize(void) {
@@ -69,8 +90,8 @@ MEGAMOE_EXPORT megamoe_error *megamoe_plugin_init_v1(megamoe_plugin_init_args *a
   memcpy(&g_services, s, s->struct_size < sizeof g_services ? s->struct_size : sizeof g_services);
   g_services.struct_size = sizeof g_services;
   g_initialized = 1;
-  const char *lvl = getenv("MEGAMOE_LOG_LEVEL");
-  if (lvl) g_log_level = atoi(lvl);
+  g_env_log_level = mm_env_log_level();
+  mm_env_knobs_check_process(warn_env, NULL);
 
   megamoe_op_registration reg = {MEGAMOE_OP_REGISTRATION_STRUCT_SIZE, NULL, "megamoe_fp4", 1, 0,
                                  mm_op_api()};

@@ -18,10 +18,17 @@
 
 static void op_free(mm_op *op);
 
+/* Frees op with its log-level in force (the backend may log a warning). */
+static void op_free_scoped(mm_op *op) {
+  const int prev = mm_log_scope_enter(op->cfg.log_level);
+  op_free(op);
+  mm_log_scope_leave(prev);
+}
+
 void mm_op_registry_shutdown(void) {
   for (mm_op *op; (op = mm_registry_pop_any());) {
     mm_log(MEGAMOE_LOG_WARN, "finalize: destroying an op the host did not destroy");
-    op_free(op);
+    op_free_scoped(op);
   }
   mm_registry_release();
 }
@@ -163,6 +170,7 @@ static megamoe_error *op_create(megamoe_op_create_args *args) {
     free(op);
     return err;
   }
+  const int log_prev = mm_log_scope_enter(op->cfg.log_level);
   op->device = args->device;
   op->rank = args->rank;
   op->ep_size = op->cfg.ep_size;
@@ -196,9 +204,11 @@ static megamoe_error *op_create(megamoe_op_create_args *args) {
          op->first_local_expert + op->num_local_experts, op->cfg.model.hidden_size,
          op->cfg.model.moe_intermediate_size, op->cfg.model.top_k);
   args->op = handle;
+  mm_log_scope_leave(log_prev);
   return NULL;
 fail:
   free(op);
+  mm_log_scope_leave(log_prev);
   return mm_error_wrap(err, "create");
 }
 
@@ -211,7 +221,7 @@ static void release_layer(mm_op *op, int layer) {
   memset(s, 0, sizeof *s);
 }
 
-static megamoe_error *op_prepare_weights(megamoe_op_prepare_args *args) {
+static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE, "prepare_weights");
   mm_op *op;
   MM_TRY(check_op(args->op, "prepare_weights", &op));
@@ -318,7 +328,7 @@ done:
 }
 
 /* ---- plan ------------------------------------------------------------------ */
-static megamoe_error *op_plan(megamoe_op_plan_args *args) {
+static megamoe_error *op_plan_body(megamoe_op_plan_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, "plan");
   mm_op *op;
   MM_TRY(check_op(args->op, "plan", &op));
@@ -351,7 +361,7 @@ static int views_overlap(const mm_tensor_view *a, const mm_tensor_view *b) {
   return an && bn && x < y + bn && y < x + an;
 }
 
-static megamoe_error *op_execute(megamoe_op_execute_args *args) {
+static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, "execute");
   mm_op *op;
   MM_TRY(check_op(args->op, "execute", &op));
@@ -409,7 +419,7 @@ static megamoe_error *op_destroy(megamoe_op_destroy_args *args) {
   if (!op)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "destroy: op handle is not a live op (already destroyed?)");
-  op_free(op);
+  op_free_scoped(op);
   return NULL;
 }
 
@@ -442,13 +452,33 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   return NULL;
 }
 
-static megamoe_error *op_check(megamoe_op_check_args *args) {
+static megamoe_error *op_check_body(megamoe_op_check_args *args) {
   CHECK_ARGS(args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, "check");
   mm_op *op;
   MM_TRY(check_op(args->op, "check", &op));
   if (!op->backend->check || op->state != MM_OP_PLANNED) return NULL;
   return mm_error_wrap(op->backend->check(op, args->stream, args->wait), "check");
 }
+
+/* ---- log scope ------------------------------------------------------------- */
+/* A call on an op logs at that op's log-level, in the layers below it too
+ * (the backend, the expert-parallel transport): the ABI functions that take
+ * an op run their bodies inside its scope. args is checked first, as the
+ * bodies do, before its op field is read. */
+#define WITH_OP_LOG_SCOPE(name, Args, min_size)                                \
+  static megamoe_error *name(Args *args) {                                     \
+    if (!mm_plugin_initialized() || !args || args->struct_size < (min_size))   \
+      return name##_body(args); /* which says why */                           \
+    const mm_op *op = mm_registry_get(args->op);                               \
+    const int prev = mm_log_scope_enter(op ? op->cfg.log_level : -1);          \
+    megamoe_error *e = name##_body(args);                                      \
+    mm_log_scope_leave(prev);                                                  \
+    return e;                                                                  \
+  }
+WITH_OP_LOG_SCOPE(op_prepare_weights, megamoe_op_prepare_args, MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE)
+WITH_OP_LOG_SCOPE(op_plan, megamoe_op_plan_args, MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE)
+WITH_OP_LOG_SCOPE(op_execute, megamoe_op_execute_args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE)
+WITH_OP_LOG_SCOPE(op_check, megamoe_op_check_args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE)
 
 static const megamoe_op_api g_api = {
     MEGAMOE_OP_API_STRUCT_SIZE, NULL, MEGAMOE_ABI_MAJOR, MEGAMOE_ABI_MINOR, op_get_attributes,
