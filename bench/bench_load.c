@@ -12,7 +12,7 @@
  * --reps runs. Data are synthetic (random codes, moderate scales).
  *
  *   bench_load [--experts E] [--hidden H] [--inter I] [--threads T]
- *              [--reps N] [--ref-experts R]
+ *              [--reps N] [--ref-experts R]   (R: default min(E, 2))
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "config.h"
 #include "layout_sm90.h"
 #include "layout_sm90_pack.h"
@@ -262,12 +263,14 @@ static void bench_pack(const mm_expert_q *x, int E, int ref_E, mm_weight_mode mo
 int main(int argc, char **argv) {
   int E = 32, H = 6144, I = 2048, threads = 1, reps = 3, ref_E = -1;
   for (int i = 1; i < argc; i++) {
-    if (i + 1 < argc && !strcmp(argv[i], "--experts")) E = atoi(argv[++i]);
-    else if (i + 1 < argc && !strcmp(argv[i], "--hidden")) H = atoi(argv[++i]);
-    else if (i + 1 < argc && !strcmp(argv[i], "--inter")) I = atoi(argv[++i]);
-    else if (i + 1 < argc && !strcmp(argv[i], "--threads")) threads = atoi(argv[++i]);
-    else if (i + 1 < argc && !strcmp(argv[i], "--reps")) reps = atoi(argv[++i]);
-    else if (i + 1 < argc && !strcmp(argv[i], "--ref-experts")) ref_E = atoi(argv[++i]);
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad;
+    if (!strcmp(a, "--experts")) bad = bench_arg_int(a, v, 1, 4096, &E);
+    else if (!strcmp(a, "--hidden")) bad = bench_arg_int(a, v, 128, 65536, &H);
+    else if (!strcmp(a, "--inter")) bad = bench_arg_int(a, v, 128, 65536, &I);
+    else if (!strcmp(a, "--threads")) bad = bench_arg_int(a, v, 1, 4096, &threads);
+    else if (!strcmp(a, "--reps")) bad = bench_arg_int(a, v, 1, 100000, &reps);
+    else if (!strcmp(a, "--ref-experts")) bad = bench_arg_int(a, v, 0, 4096, &ref_E);
     else {
       fprintf(stderr,
               "usage: %s [--experts E] [--hidden H] [--inter I] [--threads T] [--reps N] "
@@ -275,12 +278,14 @@ int main(int argc, char **argv) {
               argv[0]);
       return 2;
     }
+    if (bad) return 2;
+    i++;
   }
-  if (E < 1 || H < 128 || I < 128 || H % 128 || I % 128 || reps < 1 || threads < 1) {
-    fprintf(stderr, "bad arguments\n");
+  if (H % 128 || I % 128 || ref_E > E) {
+    fprintf(stderr, "--hidden and --inter must be multiples of 128, --ref-experts at most --experts\n");
     return 2;
   }
-  if (ref_E < 0 || ref_E > E) ref_E = E < 2 ? E : 2; /* the reference is slow */
+  if (ref_E < 0) ref_E = E < 2 ? E : 2; /* the reference is slow */
   g_threads = mm_thread_count(threads);
   const double weights = 3.0 * (double)E * (double)H * (double)I;
   printf("# bench_load: %d experts, H %d, I %d, %d threads, median of %d\n", E, H, I, g_threads,

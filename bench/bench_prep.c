@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_args.h"
 #include "layout_sm100.h"
 #include "parallel.h"
 #include "prep.h"
@@ -103,11 +104,22 @@ static void fill_random(uint8_t *d, size_t n, int e4m3_scales, uint64_t seed) {
 
 int main(int argc, char **argv) {
   int E = 32, H = 6144, I = 2048, reps = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--experts")) E = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--hidden")) H = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--inter")) I = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+  for (int i = 1; i < argc; i += 2) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad;
+    if (!strcmp(a, "--experts")) bad = bench_arg_int(a, v, 1, 4096, &E);
+    else if (!strcmp(a, "--hidden")) bad = bench_arg_int(a, v, 128, 65536, &H);
+    else if (!strcmp(a, "--inter")) bad = bench_arg_int(a, v, 128, 65536, &I);
+    else if (!strcmp(a, "--reps")) bad = bench_arg_int(a, v, 1, 100000, &reps);
+    else {
+      fprintf(stderr, "usage: %s [--experts E] [--hidden H] [--inter I] [--reps N]\n", argv[0]);
+      return 2;
+    }
+    if (bad) return 2;
+  }
+  if (H % 128 || I % 128) {
+    fprintf(stderr, "--hidden and --inter must be multiples of 128\n");
+    return 2;
   }
   if (!bench_have_gpu("bench_prep")) return 77;
   struct cudaDeviceProp prop;

@@ -48,6 +48,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../bench/bench_args.h"  /* strict option values */
 #include "../bench/bench_gpu.h"  /* CK, timing, the cuBLASLt baseline */
 #include "../bench/bench_util.h" /* OK(): a failed call ends the run */
 #include "../bench/expert_counts.h"
@@ -91,50 +92,57 @@ int main(int argc, char **argv) {
   mm_sm90_path path = MM_SM90_PATH_AUTO;
   int prefill_experts = MM_SM90_PREFILL_EXPERTS_DEFAULT;
   int Ms[16] = {256, 1024, 4096, 16384, 32768}, nM = 5;
+  static const char *const path_names[] = {"wgmma", "simt", "prefill", "auto", NULL};
+  static const mm_sm90_path path_of[] = {MM_SM90_PATH_WGMMA, MM_SM90_PATH_SIMT,
+                                         MM_SM90_PATH_PREFILL, MM_SM90_PATH_AUTO};
+  static const char *const compute_names[] = {"fp8", "bf16-exact", NULL};
+  static const char *const gran_names[] = {"16", "32", NULL};
   for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(a, "--gran-k")) gran = atoi(v), i++;
-    else if (!strcmp(a, "--requant")) requant = 1;
-    else if (!strcmp(a, "--compute")) bf16_exact = !strcmp(v, "bf16-exact"), i++;
-    else if (!strcmp(a, "--E")) E = atoi(v), i++;
-    else if (!strcmp(a, "--H")) H = atoi(v), i++;
-    else if (!strcmp(a, "--I")) I = atoi(v), i++;
-    else if (!strcmp(a, "--iters")) iters = atoi(v), i++;
-    else if (!strcmp(a, "--warmup-ms")) g_warmup_ms = atof(v), i++;
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad = 0, k = 0;
+    if (!strcmp(a, "--requant")) requant = 1;
     else if (!strcmp(a, "--profile-only")) profile_only = 1;
     else if (!strcmp(a, "--block-refs")) block_refs = 1;
     else if (!strcmp(a, "--out-rows")) out_rows = 1;
-    else if (!strcmp(a, "--prefill-experts")) prefill_experts = atoi(v), i++;
-    else if (!strcmp(a, "--path"))
-      path = !strcmp(v, "simt")      ? MM_SM90_PATH_SIMT
-             : !strcmp(v, "prefill") ? MM_SM90_PATH_PREFILL
-             : !strcmp(v, "auto")    ? MM_SM90_PATH_AUTO
-                                     : MM_SM90_PATH_WGMMA,
-      i++;
+    else if (!strcmp(a, "--gran-k")) {
+      bad = bench_arg_choice(a, v, gran_names, &k), i++;
+      gran = k ? 32 : 16;
+    }
+    else if (!strcmp(a, "--compute")) bad = bench_arg_choice(a, v, compute_names, &bf16_exact), i++;
+    else if (!strcmp(a, "--E")) bad = bench_arg_int(a, v, 1, 4096, &E), i++;
+    else if (!strcmp(a, "--H")) bad = bench_arg_int(a, v, 128, 65536, &H), i++;
+    else if (!strcmp(a, "--I")) bad = bench_arg_int(a, v, 128, 65536, &I), i++;
+    else if (!strcmp(a, "--iters")) bad = bench_arg_int(a, v, 1, 100000, &iters), i++;
+    else if (!strcmp(a, "--warmup-ms")) bad = bench_arg_double(a, v, 0, 600000, &g_warmup_ms), i++;
+    else if (!strcmp(a, "--prefill-experts"))
+      bad = bench_arg_int(a, v, 1, MM_SM90_PREFILL_CHUNK, &prefill_experts), i++;
+    else if (!strcmp(a, "--path")) {
+      bad = bench_arg_choice(a, v, path_names, &k), i++;
+      path = path_of[k];
+    }
+    else if (!strcmp(a, "--M")) bad = bench_arg_int_list(a, v, 1, 1 << 20, Ms, 16, &nM), i++;
     else if (!strcmp(a, "--loads")) {
       memset(loads, 0, sizeof(loads));
-      for (char *t = strtok((char *)v, ","); t; t = strtok(NULL, ",")) {
-        const int k = mm_load_by_name(t);
-        if (k < 0) {
+      for (char *t = strtok((char *)(v ? v : ""), ","); t; t = strtok(NULL, ",")) {
+        const int l = mm_load_by_name(t);
+        if (l < 0) {
           fprintf(stderr, "--loads: unknown load %s (uniform, skewed, random, zipf)\n", t);
           return 2;
         }
-        loads[k] = 1;
+        loads[l] = 1;
       }
-      i++;
-    } else if (!strcmp(a, "--M")) {
-      nM = 0;
-      for (char *s = strtok((char *)v, ","); s && nM < 16; s = strtok(NULL, ",")) Ms[nM++] = atoi(s);
+      int any = 0;
+      for (int l = 0; l < MM_LOAD_COUNT; l++) any |= loads[l];
+      if (!any) {
+        fprintf(stderr, "--loads needs at least one of uniform, skewed, random, zipf\n");
+        return 2;
+      }
       i++;
     } else {
       fprintf(stderr, "unknown option %s (see the header of bench_moe_compute.c)\n", a);
       return 2;
     }
-  }
-  if (prefill_experts < 1 || prefill_experts > MM_SM90_PREFILL_CHUNK) {
-    fprintf(stderr, "--prefill-experts: %d is not in [1, %d]\n", prefill_experts,
-            MM_SM90_PREFILL_CHUNK);
-    return 2;
+    if (bad) return 2;
   }
   /* the backend's choice (mm_cuda_weight_mode); --requant lands on gran 32 */
   const int g32 = gran == 32 || requant;

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bench/bench_args.h"
 #include "../bench/bench_gpu.h"  /* CK, timing, the cuBLASLt baseline */
 #include "../bench/bench_util.h" /* OK(): a failed call ends the run */
 #include "layout_sm90.h" /* the fold table */
@@ -287,18 +288,20 @@ int main(int argc, char **argv) {
       fprintf(stderr, "%s needs a value (see the header of bench_prefill_probe.c)\n", a);
       return 2;
     }
-    if (!strcmp(a, "--E")) E = atoi(v);
-    else if (!strcmp(a, "--Me")) Me = atoi(v);
-    else if (!strcmp(a, "--iters")) iters = atoi(v);
-    else if (!strcmp(a, "--warmup-ms")) g_warmup_ms = atof(v);
+    int bad = 0;
+    if (!strcmp(a, "--E")) bad = bench_arg_int(a, v, 1, 4096, &E);
+    else if (!strcmp(a, "--Me")) bad = bench_arg_int(a, v, 256, 1 << 20, &Me);
+    else if (!strcmp(a, "--iters")) bad = bench_arg_int(a, v, 1, 100000, &iters);
+    else if (!strcmp(a, "--warmup-ms")) bad = bench_arg_double(a, v, 0, 600000, &g_warmup_ms);
     else {
       fprintf(stderr, "unknown option %s (see the header of bench_prefill_probe.c)\n", a);
       return 2;
     }
+    if (bad) return 2;
     i++;
   }
-  if (E < 1 || Me < 256 || Me % 256 || iters < 1) {
-    fprintf(stderr, "--E >= 1, --Me a multiple of 256, --iters >= 1\n");
+  if (Me % 256) {
+    fprintf(stderr, "--Me must be a multiple of 256\n");
     return 2;
   }
   if (!bench_have_gpu("bench_prefill_probe")) return 77;

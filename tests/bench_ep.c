@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../bench/bench_args.h"
 #include "backend_cuda.h"
 #include "ep_engine.h"
 #include "ep_kernels.h"
@@ -222,35 +223,39 @@ out:
   free(off), free(td), free(tc), free(ta), free(tb), free(x), free(ids), free(w);
 }
 
-static int parse_list(const char *s, int *v, int cap) {
-  int n = 0;
-  while (s && *s && n < cap) {
-    v[n++] = atoi(s);
-    s = strchr(s, ',');
-    if (s) s++;
-  }
-  return n;
-}
-
 int main(int argc, char **argv) {
   int R = mm_cuda_device_count();
   int H = 6144, E = 256, K = 8, iters = 20;
   int Tn[8] = {128, 4096, 8192}, nn = 3, Tl[8] = {128, 256}, nl = 2;
   mm_ep_transport trs[4] = {MM_EP_TRANSPORT_NCCL, MM_EP_TRANSPORT_IPC};
   int ntr = 2;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--ranks")) R = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--tokens")) nn = parse_list(argv[i + 1], Tn, 8);
-    else if (!strcmp(argv[i], "--ll-tokens")) nl = parse_list(argv[i + 1], Tl, 8);
-    else if (!strcmp(argv[i], "--iters")) iters = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--hidden")) H = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--experts")) E = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--topk")) K = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--transport")) {
+  for (int i = 1; i < argc; i += 2) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad = 0;
+    if (!strcmp(a, "--ranks")) bad = bench_arg_int(a, v, 1, 1024, &R);
+    else if (!strcmp(a, "--tokens")) bad = bench_arg_int_list(a, v, 1, 1 << 20, Tn, 8, &nn);
+    else if (!strcmp(a, "--ll-tokens")) bad = bench_arg_int_list(a, v, 1, 1 << 20, Tl, 8, &nl);
+    else if (!strcmp(a, "--iters")) bad = bench_arg_int(a, v, 1, 100000, &iters);
+    else if (!strcmp(a, "--hidden")) bad = bench_arg_int(a, v, 128, 65536, &H);
+    else if (!strcmp(a, "--experts")) bad = bench_arg_int(a, v, 1, 4096, &E);
+    else if (!strcmp(a, "--topk")) bad = bench_arg_int(a, v, 1, 64, &K);
+    else if (!strcmp(a, "--transport")) {
+      static const char *const names[] = {"nccl", "ipc", NULL};
       ntr = 0;
-      for (const char *t = argv[i + 1]; t && *t && ntr < 4; t = strchr(t, ',') ? strchr(t, ',') + 1 : NULL)
-        trs[ntr++] = !strncmp(t, "ipc", 3) ? MM_EP_TRANSPORT_IPC : MM_EP_TRANSPORT_NCCL;
+      char list[64];
+      snprintf(list, sizeof list, "%s", v ? v : "");
+      for (char *t = strtok(list, ","); t && !bad; t = strtok(NULL, ",")) {
+        int k = 0;
+        bad = ntr == 4 || bench_arg_choice(a, t, names, &k);
+        if (!bad) trs[ntr++] = k ? MM_EP_TRANSPORT_IPC : MM_EP_TRANSPORT_NCCL;
+      }
+      bad |= ntr == 0;
+      if (bad) fprintf(stderr, "--transport needs 1 to 4 of nccl, ipc, comma-separated\n");
+    } else {
+      fprintf(stderr, "unknown option %s (see the header of bench_ep.c)\n", a);
+      return 2;
     }
+    if (bad) return 2;
   }
   if (R <= 0) {
     printf("bench_ep: no GPU\n");
