@@ -14,6 +14,7 @@
 
 #include "formats.h"
 #include "host.h"
+#include "layer_reader.h"
 
 /* ---- small helpers ------------------------------------------------------------ */
 int report(megamoe_error *err, const char *what) {
@@ -70,39 +71,6 @@ static void print_phases(int rank, int T, const step_phases *p, int n) {
           c > 0 ? cb / (c * 1e3) : 0.0);
 }
 
-/* The DLPack type of a safetensors dtype, faithfully: a dtype the plugin
- * does not take must reach it as what it is (and be refused by name), never
- * relabelled as bytes; F4 is 4 bits per element (the shape counts elements). */
-static DLDataType dl_type(mm_st_dtype dt) {
-  DLDataType t = {kDLUInt, 8, 1};
-  switch (dt) {
-    case MM_ST_U8: break;
-    case MM_ST_BOOL: t.code = 6; break;           /* kDLBool (DLPack >= 0.8) */
-    case MM_ST_I8: t.code = kDLInt; break;
-    case MM_ST_U16: t.bits = 16; break;
-    case MM_ST_I16: t.code = kDLInt; t.bits = 16; break;
-    case MM_ST_U32: t.bits = 32; break;
-    case MM_ST_I32: t.code = kDLInt; t.bits = 32; break;
-    case MM_ST_U64: t.bits = 64; break;
-    case MM_ST_I64: t.code = kDLInt; t.bits = 64; break;
-    case MM_ST_F16: t.code = kDLFloat; t.bits = 16; break;
-    case MM_ST_BF16: t.code = kDLBfloat; t.bits = 16; break;
-    case MM_ST_F32: t.code = kDLFloat; t.bits = 32; break;
-    case MM_ST_F64: t.code = kDLFloat; t.bits = 64; break;
-    case MM_ST_C64: t.code = kDLComplex; t.bits = 64; break;
-    case MM_ST_F8_E4M3: t.code = MEGAMOE_DL_FLOAT8_E4M3FN; break;
-    case MM_ST_F8_E8M0: t.code = MEGAMOE_DL_FLOAT8_E8M0FNU; break;
-    case MM_ST_F4: t.code = MEGAMOE_DL_FLOAT4_E2M1FN; t.bits = 4; break;
-    case MM_ST_F8_E5M2: t.code = 12; break;      /* DLPack 1.1 kDLFloat8_e5m2 */
-    case MM_ST_F8_E4M3FNUZ: t.code = 11; break;  /* kDLFloat8_e4m3fnuz */
-    case MM_ST_F8_E5M2FNUZ: t.code = 13; break;  /* kDLFloat8_e5m2fnuz */
-    case MM_ST_F6_E2M3: t.code = 15; t.bits = 6; break;
-    case MM_ST_F6_E3M2: t.code = 16; t.bits = 6; break;
-    default: t.code = kDLOpaqueHandle; break;
-  }
-  return t;
-}
-
 megamoe_op_create_args create_args(int rank, int device) {
   megamoe_op_create_args a;
   memset(&a, 0, sizeof a);
@@ -142,74 +110,17 @@ int find_layers(const mm_st_ckpt *ck, int *layers, int cap) {
   return n;
 }
 
-/* Reads the tensors of experts [first, first+n) of checkpoint layer `cl` and
- * hands them to prepare_weights as host DLTensors (layer slot `slot`). */
-static megamoe_error *load_layer(megamoe_op *op, const mm_st_ckpt *ck, int cl, int slot, int first,
-                                 int n, double *bytes) {
-  static const char *projs[3] = {"gate", "up", "down"};
-  static const char *sufs[4] = {"weight", "weight_scale", "weight_scale_2", "input_scale"};
-  size_t cap = (size_t)n * 12, count = 0;
-  megamoe_named_tensor *nt = calloc(cap, sizeof *nt);
-  DLTensor *dl = calloc(cap, sizeof *dl);
-  int64_t(*shapes)[MM_ST_MAX_DIMS] = calloc(cap, sizeof *shapes);
-  char(*names)[96] = calloc(cap, sizeof *names);
-  void **bufs = calloc(cap, sizeof *bufs);
-  megamoe_error *err = NULL;
-  if (!nt || !dl || !shapes || !names || !bufs) {
-    err = NULL;
-    fprintf(stderr, "megamoe-host: out of memory loading layer %d\n", cl);
-    g_failed = 1;
-    goto done;
-  }
-  for (int e = first; e < first + n; e++)
-    for (int p = 0; p < 3; p++)
-      for (int s = 0; s < 4; s++) {
-        char full[160];
-        snprintf(full, sizeof full, "model.layers.%d.mlp.experts.%d.%s_proj.%s", cl, e, projs[p],
-                 sufs[s]);
-        const mm_st_file *f;
-        const mm_st_tensor *t = mm_st_ckpt_find(ck, full, &f);
-        if (!t) continue; /* the op names what is missing */
-        if (t->ndim > 4) continue;
-        bufs[count] = malloc(t->nbytes ? t->nbytes : 1);
-        if (!bufs[count]) {
-          fprintf(stderr, "megamoe-host: out of memory reading %s\n", full);
-          g_failed = 1;
-          goto done;
-        }
-        megamoe_error *re = mm_st_read(f, t, bufs[count], t->nbytes);
-        if (re) {
-          err = re;
-          goto done;
-        }
-        *bytes += (double)t->nbytes;
-        snprintf(names[count], sizeof names[count], "experts.%d.%s_proj.%s", e, projs[p], sufs[s]);
-        for (int d = 0; d < t->ndim; d++) shapes[count][d] = t->shape[d];
-        dl[count].data = bufs[count];
-        dl[count].device.device_type = kDLCPU;
-        dl[count].ndim = t->ndim;
-        dl[count].dtype = dl_type(t->dtype);
-        dl[count].shape = shapes[count];
-        nt[count].name = names[count];
-        nt[count].tensor = &dl[count];
-        count++;
-      }
+/* Hands a layer's tensors, read, to prepare_weights as layer slot `slot`. */
+static megamoe_error *prepare_layer(megamoe_op *op, host_layer *hl, int slot) {
+  megamoe_error *err = host_layer_wait(hl);
+  if (err) return err;
   megamoe_op_prepare_args pa;
   memset(&pa, 0, sizeof pa);
   pa.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
   pa.op = op;
   pa.layer = slot;
-  pa.tensors = nt;
-  pa.num_tensors = count;
-  err = g_api->prepare_weights(&pa);
-done:
-  for (size_t i = 0; bufs && i < count + 1 && i < cap; i++) free(bufs[i]);
-  free(nt);
-  free(dl);
-  free(shapes);
-  free(names);
-  free(bufs);
-  return err;
+  pa.tensors = host_layer_tensors(hl, &pa.num_tensors);
+  return g_api->prepare_weights(&pa);
 }
 
 /* ---- one rank ---------------------------------------------------------------- */
@@ -362,17 +273,35 @@ void rank_main(void *arg) {
   info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
   info.op = op;
   if (report(g_api->get_info(&info), "get_info")) goto fail;
-  double t0 = now_s();
+  /* Layer l + 1's reads run while layer l is prepared (--read-ahead 1). */
+  double t0 = now_s(), waited = 0;
+  const int first = info.first_local_expert, n = info.num_local_experts;
+  host_layer *next = host_layer_read(w->ck, w->layers[0], first, n);
   for (int l = 0; l < w->num_layers; l++) {
+    host_layer *cur = next;
+    next = NULL;
+    if (!cur) goto fail; /* out of memory: said */
+    const double tw = now_s();
+    megamoe_error *err = host_layer_wait(cur);
+    waited += now_s() - tw;
+    if (!err && opt.read_ahead && l + 1 < w->num_layers)
+      next = host_layer_read(w->ck, w->layers[l + 1], first, n);
+    if (!err) err = prepare_layer(op, cur, l);
+    w->load_bytes += host_layer_bytes(cur);
+    host_layer_free(cur);
     char what[64];
     snprintf(what, sizeof what, "rank %d: layer %d", w->rank, w->layers[l]);
-    if (report(load_layer(op, w->ck, w->layers[l], l, info.first_local_expert,
-                          info.num_local_experts, &w->load_bytes),
-               what))
+    if (report(err, what)) {
+      host_layer_free(next); /* after its reads finish */
       goto fail;
+    }
     if (w->rank == 0)
-      fprintf(stderr, "megamoe-host: prepared layer %d/%d (%.1f GB read, %.1f s)\n", l + 1,
-              w->num_layers, w->load_bytes / 1e9, now_s() - t0);
+      fprintf(stderr,
+              "megamoe-host: prepared layer %d/%d (%.1f GB read, %.1f s, %.1f s of it waiting "
+              "for reads)\n",
+              l + 1, w->num_layers, w->load_bytes / 1e9, now_s() - t0, waited);
+    if (!opt.read_ahead && l + 1 < w->num_layers)
+      next = host_layer_read(w->ck, w->layers[l + 1], first, n);
   }
   w->prepare_s = now_s() - t0;
   int Tmax = 0;
@@ -520,7 +449,12 @@ int ref_open(const mm_st_ckpt *ck, int layer0, host_ref **out) {
     ref->E = info.num_local_experts;
   }
   double bytes = 0, t0 = now_s();
-  if (!bad && report(load_layer(ca.op, ck, layer0, 0, 0, ref->E, &bytes), "reference load")) bad = 1;
+  if (!bad) {
+    host_layer *hl = host_layer_read(ck, layer0, 0, ref->E);
+    if (!hl || report(prepare_layer(ca.op, hl, 0), "reference load")) bad = 1;
+    if (hl) bytes = host_layer_bytes(hl);
+    host_layer_free(hl);
+  }
   megamoe_op_plan_args pl = {MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, NULL, ca.op, opt.check_tokens, NULL, 0, 0};
   if (!bad && report(g_api->plan(&pl), "reference plan")) bad = 1;
   fprintf(stderr, "megamoe-host: reference weights loaded (%.1f GB, %.1f s)\n", bytes / 1e9,

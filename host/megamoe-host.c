@@ -30,7 +30,7 @@
 #include "plugin_loader.h"
 
 host_options opt = {.world = 0, .layers = 0, .iters = 10, .warmup = 3, .check_tokens = 8,
-                    .seed = 1, .tolerance = 2e-2, .rank = -1, .local_device = -1,
+                    .seed = 1, .read_ahead = 1, .tolerance = 2e-2, .rank = -1, .local_device = -1,
                     .rendezvous_serve = -1, .rendezvous_timeout_s = 600};
 const megamoe_op_api *g_api;
 int g_failed;
@@ -44,6 +44,7 @@ static void usage(void) {
           "       [--config FILE] [--validate] [--set KEY=VALUE]...\n"
           "       [--checkpoint CKPT] [--world N] [--layers N] [--tokens T[,T...]]\n"
           "       [--iters N] [--warmup N] [--check-tokens S] [--tolerance X] [--seed N] [--cpu]\n"
+          "       [--read-ahead 0|1]\n"
           "       [--rank R --world W --rendezvous HOST:PORT [--local-device D]\n"
           "        [--rendezvous-serve | --no-rendezvous-serve] [--rendezvous-timeout SECONDS]]\n"
           "MEGAMOE_PLUGIN_PATH (colon-separated directories) is scanned when no --plugin is given.\n"
@@ -117,7 +118,7 @@ static int takes_value(const char *a) {
   static const char *const names[] = {
       "--plugin", "--plugin-dir", "--config", "--checkpoint", "--rendezvous", "--world",
       "--layers", "--iters", "--warmup", "--check-tokens", "--seed", "--rank", "--local-device",
-      "--rendezvous-timeout", "--tolerance", "--tokens", "--set"};
+      "--rendezvous-timeout", "--tolerance", "--tokens", "--set", "--read-ahead"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if (!strcmp(a, names[i])) return 1;
   return 0;
@@ -175,6 +176,7 @@ static int parse_args(int argc, char **argv) {
       else if (!strcmp(a, "--check-tokens"))
         bad = take_int(a, v, 0, MAX_TOKENS_PER_SIZE, &opt.check_tokens);
       else if (!strcmp(a, "--seed")) bad = take_int(a, v, -1000000000, 1000000000, &opt.seed);
+      else if (!strcmp(a, "--read-ahead")) bad = take_int(a, v, 0, 1, &opt.read_ahead);
       else if (!strcmp(a, "--rank")) bad = take_int(a, v, 0, MAX_MP_WORLD - 1, &opt.rank);
       else if (!strcmp(a, "--local-device")) bad = take_int(a, v, 0, 1023, &opt.local_device);
       else if (!strcmp(a, "--rendezvous-timeout"))
