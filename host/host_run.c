@@ -215,25 +215,27 @@ static int device_sync(int device) {
   return 0;
 }
 
-/* Buffers on the rank's device (or host); copies in from host arrays. */
+/* Buffers on the rank's device (or host); copies in from host arrays. An
+ * empty one still gets a (16-byte) allocation, so that its tensor has a
+ * valid data pointer; nothing is copied into it. */
 static void *dev_alloc(int device, size_t bytes, const void *src) {
-  bytes = bytes ? bytes : 16;
+  const size_t alloc = bytes ? bytes : 16;
 #ifdef MM_HAVE_CUDA
   if (device >= 0) {
     void *p = NULL;
-    if (cudaMalloc(&p, bytes) != cudaSuccess) return NULL;
-    if (src && cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    if (cudaMalloc(&p, alloc) != cudaSuccess) return NULL;
+    if (src && bytes && cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
       cudaFree(p);
       return NULL;
     }
-    if (!src) cudaMemset(p, 0xFF, bytes); /* poison */
+    if (!src) cudaMemset(p, 0xFF, alloc); /* poison */
     return p;
   }
 #endif
-  void *p = malloc(bytes);
+  void *p = malloc(alloc);
   if (p) {
     if (src) memcpy(p, src, bytes);
-    else memset(p, 0xFF, bytes);
+    else memset(p, 0xFF, alloc);
   }
   return p;
 }
