@@ -64,6 +64,9 @@ extern const mm_backend_ops mm_backend_cpu;
 extern const mm_backend_ops mm_backend_cuda;
 /* Number of usable CUDA devices (0 when the driver or a GPU is missing). */
 int mm_cuda_device_count(void);
+/* NULL when the kernels built in (MM_CUDA_ARCHS) run on `device`, else
+ * why not (FAILED_PRECONDITION, naming the device and its capability). */
+mm_err *mm_cuda_device_usable(int device);
 /* Synchronous device -> host copy on `device` (cuda_host.c). */
 mm_err *mm_cuda_copy_to_host(void *dst, const void *src, size_t bytes, int device);
 #endif

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_arch.h"
 #include "ep_comm.h"
 #include "ep_engine.h"
 #include "megamoe_plugin.h"
@@ -34,6 +35,19 @@ int mm_cuda_device_count(void) {
     return 0;
   }
   return n;
+}
+
+mm_err *mm_cuda_device_usable(int device) {
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "CUDA device %d cannot be queried", device);
+  }
+  if (mm_cuda_archs_run_on(MM_CUDA_ARCHS, prop.major, prop.minor)) return NULL;
+  return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                  "CUDA device %d (%s, compute capability %d.%d) cannot run this plugin's "
+                  "kernels, built for sm_%s (Hopper, 9.0: they use WGMMA and TMA)",
+                  device, prop.name, prop.major, prop.minor, MM_CUDA_ARCHS);
 }
 
 static mm_err *cuda_err(cudaError_t ce, const char *what) {

@@ -109,7 +109,12 @@ static const mm_backend_ops *choose_backend(const mm_config *cfg, int device, mm
       return &mm_backend_cpu;
     case MM_BACKEND_CUDA:
 #ifdef MM_HAVE_CUDA
-      if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
+      if (gpus > 0 && device >= 0 && device < gpus) {
+        *err = mm_cuda_device_usable(device);
+        if (!*err) return &mm_backend_cuda;
+        *err = mm_error_wrap(*err, "backend 'cuda' requested (backend: cpu-reference runs anywhere)");
+        return NULL;
+      }
       *err = mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
                       "backend 'cuda' requested, but device %d is not one of the %d visible GPUs",
                       device, gpus);
@@ -120,7 +125,12 @@ static const mm_backend_ops *choose_backend(const mm_config *cfg, int device, mm
       return NULL;
     default:
 #ifdef MM_HAVE_CUDA
-      if (gpus > 0 && device >= 0 && device < gpus) return &mm_backend_cuda;
+      if (gpus > 0 && device >= 0 && device < gpus) {
+        mm_err *why = mm_cuda_device_usable(device);
+        if (!why) return &mm_backend_cuda;
+        mm_log(MEGAMOE_LOG_WARN, "backend auto: %s; using cpu-reference", megamoe_error_message(why));
+        megamoe_error_destroy(why);
+      }
 #endif
       (void)gpus;
       return &mm_backend_cpu;
