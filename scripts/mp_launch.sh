@@ -24,6 +24,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -ge 1 ] || { sed -n '2,15p' "$0"; exit 2; }
+case $n in '' | *[!0-9]* | 0*) echo "mp_launch: -n needs a rank count >= 1, not '$n'" >&2; exit 2 ;; esac
+case $tmo in '' | *[!0-9]* | 0*) echo "mp_launch: -t needs seconds >= 1, not '$tmo'" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 # never NVLink multicast
 dir=${dir:-$(mktemp -d)}
 mkdir -p "$dir"

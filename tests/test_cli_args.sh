@@ -9,7 +9,7 @@ host=$b/host/megamoe-host
 prep=$b/host/megamoe-prep
 synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
-echo "1..5"
+echo "1..6"
 for f in "$host" "$prep" "$synth" "$plugin"; do
   [ -e "$f" ] || { echo "Bail out! $f is not built"; exit 1; }
 done
@@ -88,3 +88,9 @@ refused "gran: bad value '8'" "$prep" sm100-layout --in "$st" --out "$dir/o" --g
 refused "--out needs a value" "$prep" requant --in "$st" --out || bad=1
 [ -e "$dir/o" ] && { echo "# megamoe-prep wrote $dir/o although refused"; bad=1; }
 check "megamoe-prep refuses unknown commands, foreign options and bad values" $bad
+
+bad=0
+refused "-n needs a rank count >= 1, not 'abc'" bash "$s/scripts/mp_launch.sh" -n abc -- true || bad=1
+refused "-n needs a rank count >= 1, not '0'" bash "$s/scripts/mp_launch.sh" -n 0 -- true || bad=1
+refused "-t needs seconds >= 1, not 'x'" bash "$s/scripts/mp_launch.sh" -n 2 -t x -- true || bad=1
+check "mp_launch.sh refuses a bad rank count or timeout before starting anything" $bad
