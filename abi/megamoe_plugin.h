@@ -91,7 +91,7 @@ extern "C" {
 #endif
 
 #define MEGAMOE_ABI_MAJOR 1
-#define MEGAMOE_ABI_MINOR 1
+#define MEGAMOE_ABI_MINOR 2
 
 #if defined(__GNUC__) || defined(__clang__)
 #define MEGAMOE_EXPORT __attribute__((visibility("default")))
@@ -349,8 +349,19 @@ typedef struct megamoe_op_execute_args {
   const DLTensor *topk_weights;
   const DLTensor *out;
   void *stream; /* cudaStream_t; NULL = the op's own stream */
+  /* ABI 1.2. The largest T of any rank of the op's expert-parallel group in
+   * this step, when the host knows it; 0: unknown. Every rank must run one
+   * dispatch mode per step, and with dispatch-mode auto the plugin chooses
+   * it from this count (else from this rank's T, which is safe only while
+   * every rank's T lies on the same side of dispatch.low-latency-max-tokens;
+   * ranks that choose differently fail the step with DEADLINE_EXCEEDED and
+   * the op turns fatal). Must be 0, or at least T and at most the planned
+   * tokens per rank (INVALID_ARGUMENT otherwise). */
+  int32_t max_tokens_any_rank;
 } megamoe_op_execute_args;
 #define MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE \
+  MEGAMOE_STRUCT_SIZE(megamoe_op_execute_args, max_tokens_any_rank)
+#define MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0 \
   MEGAMOE_STRUCT_SIZE(megamoe_op_execute_args, stream)
 
 typedef struct megamoe_op_destroy_args {

@@ -199,6 +199,7 @@ static megamoe_error *run_execute(const rank_work *w, megamoe_op *op, int layer,
   ea.topk_ids = &ti;
   ea.topk_weights = &tw;
   ea.out = &to;
+  ea.max_tokens_any_rank = T; /* every rank runs the same batch size in a step */
   return g_api->execute(&ea);
 }
 

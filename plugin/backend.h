@@ -15,6 +15,7 @@ typedef struct mm_op mm_op;
 /* Execute inputs, already checked: shapes [T, H], [T, k], [T, k], [T, H]. */
 typedef struct mm_exec_io {
   int T;
+  int max_tokens_any_rank;     /* the step's largest T of any rank; 0: unknown */
   const uint16_t *hidden;      /* bf16 */
   const int32_t *topk_ids;
   const float *topk_weights;

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cuda_arch.h"
+#include "dispatch_choice.h"
 #include "ep_comm.h"
 #include "ep_engine.h"
 #include "megamoe_plugin.h"
@@ -162,12 +163,14 @@ static int ll_capacity(const mm_op *op, int max_tokens) {
   }
 }
 
-int mm_cuda_dispatch_mode(const mm_op *op, int T) {
+_Static_assert((int)MM_DISPATCH_RUN_NORMAL == (int)MM_EP_MODE_NORMAL &&
+                   (int)MM_DISPATCH_RUN_LOW_LATENCY == (int)MM_EP_MODE_LOW_LATENCY,
+               "dispatch_choice.h's values are mm_ep_mode's");
+
+int mm_cuda_dispatch_mode(const mm_op *op, int deciding_tokens) {
   cuda_state *s = (cuda_state *)op->backend_state;
-  int ll = s && s->engine ? mm_ep_engine_ll_tokens(s->engine) : 0;
-  if (op->cfg.dispatch_mode == MM_DISPATCH_NORMAL) return MM_EP_MODE_NORMAL;
-  if (op->cfg.dispatch_mode == MM_DISPATCH_LOW_LATENCY) return MM_EP_MODE_LOW_LATENCY;
-  return T <= ll ? MM_EP_MODE_LOW_LATENCY : MM_EP_MODE_NORMAL;
+  const int ll = s && s->engine ? mm_ep_engine_ll_tokens(s->engine) : 0;
+  return mm_dispatch_choose(op->cfg.dispatch_mode, ll, deciding_tokens);
 }
 
 const char *mm_cuda_transport(const mm_op *op) {
@@ -244,7 +247,7 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   if (!L) return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "layer %d is not prepared", layer);
   MM_TRY(cuda_err(cudaSetDevice(op->device), "cudaSetDevice"));
   cudaStream_t st = io->stream ? (cudaStream_t)io->stream : s->stream;
-  const int mode = mm_cuda_dispatch_mode(op, io->T);
+  const int mode = mm_cuda_dispatch_mode(op, mm_dispatch_deciding_tokens(io->T, io->max_tokens_any_rank));
   enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   MM_TRY(cuda_err(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing"));
   const int capturing = cap != cudaStreamCaptureStatusNone;

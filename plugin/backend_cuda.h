@@ -27,8 +27,9 @@ static inline mm_weight_mode mm_cuda_weight_mode(int gran, mm_compute_mode mode,
   return mm_choose_weight_mode(gran, mode, max_rel_error).mode;
 }
 
-/* Which dispatch mode execute uses for T tokens (1 normal, 2 low-latency). */
-int mm_cuda_dispatch_mode(const mm_op *op, int T);
+/* Which dispatch mode execute uses for a step whose deciding token count
+ * (plugin/dispatch_choice.h) is deciding_tokens (1 normal, 2 low-latency). */
+int mm_cuda_dispatch_mode(const mm_op *op, int deciding_tokens);
 /* The planned low-latency transport: "ipc", "nccl", or "none" (no
  * low-latency mode planned). */
 const char *mm_cuda_transport(const mm_op *op);

@@ -372,7 +372,7 @@ static int views_overlap(const mm_tensor_view *a, const mm_tensor_view *b) {
 }
 
 static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
-  CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, "execute");
+  CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0, "execute");
   mm_op *op;
   MM_TRY(check_op(args->op, "execute", &op));
   if (op->state != MM_OP_PLANNED)
@@ -397,6 +397,15 @@ static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "execute: %lld tokens exceed the planned %d tokens per rank (num-max-tokens-per-rank)",
                     (long long)T, op->planned_tokens);
+  /* 1.2: the step's largest T of any rank (0: unknown) */
+  const int max_any = args->struct_size >= MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE
+                          ? args->max_tokens_any_rank
+                          : 0;
+  if (max_any != 0 && (max_any < T || max_any > op->planned_tokens))
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "execute: max_tokens_any_rank %d must be 0 (unknown) or in [T, planned] = "
+                    "[%lld, %d]",
+                    max_any, (long long)T, op->planned_tokens);
   const int want_dev = op->backend == &mm_backend_cpu ? -1 : op->device;
   if (dh != want_dev || di != want_dev || dw != want_dev || dout != want_dev)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
@@ -408,8 +417,9 @@ static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
   for (int i = 0; T > 0 && i < 3; i++)
     if (views_overlap(&ov, ins[i]))
       return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "execute: out overlaps %s", ins[i]->name);
-  mm_exec_io io = {(int)T, hv.data, iv.data, wv.data, (uint16_t *)ov.data, args->stream,
-                   want_dev >= 0};
+  mm_exec_io io = {.T = (int)T, .max_tokens_any_rank = max_any, .hidden = hv.data,
+                   .topk_ids = iv.data, .topk_weights = wv.data, .out = (uint16_t *)ov.data,
+                   .stream = args->stream, .on_device = want_dev >= 0};
   mm_err *err = op->backend->execute(op, args->layer, &io);
   return mm_error_wrap(err, "execute(layer %d)", args->layer);
 }
@@ -487,7 +497,7 @@ static megamoe_error *op_check_body(megamoe_op_check_args *args) {
   }
 WITH_OP_LOG_SCOPE(op_prepare_weights, megamoe_op_prepare_args, MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE)
 WITH_OP_LOG_SCOPE(op_plan, megamoe_op_plan_args, MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE)
-WITH_OP_LOG_SCOPE(op_execute, megamoe_op_execute_args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE)
+WITH_OP_LOG_SCOPE(op_execute, megamoe_op_execute_args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0)
 WITH_OP_LOG_SCOPE(op_check, megamoe_op_check_args, MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE)
 
 static const megamoe_op_api g_api = {

@@ -193,6 +193,24 @@ static inline megamoe_error *mmfx_execute(megamoe_op *op, int layer, const DLTen
   return mmfx_api->execute(&a);
 }
 
+/* execute with an explicit struct_size and ABI 1.2's max_tokens_any_rank */
+static inline megamoe_error *mmfx_execute_sized(megamoe_op *op, int layer, const DLTensor *h,
+                                                const DLTensor *ids, const DLTensor *w,
+                                                const DLTensor *out, size_t struct_size,
+                                                int32_t max_tokens_any_rank) {
+  megamoe_op_execute_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = struct_size;
+  a.op = op;
+  a.layer = layer;
+  a.hidden = h;
+  a.topk_ids = ids;
+  a.topk_weights = w;
+  a.out = out;
+  a.max_tokens_any_rank = max_tokens_any_rank;
+  return mmfx_api->execute(&a);
+}
+
 static inline megamoe_error *mmfx_destroy(megamoe_op *op) {
   megamoe_op_destroy_args d = {MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, NULL, op};
   return mmfx_api->destroy(&d);

@@ -155,7 +155,8 @@ static int io_upload(dev_io *io, const uint16_t *x, const int32_t *ids, const fl
 }
 
 static mm_err *op_run(mm_op *op, dev_io *io, void *stream) {
-  mm_exec_io e = {io->T, io->d_x, io->d_ids, io->d_w, io->d_out, stream, 1};
+  mm_exec_io e = {.T = io->T, .hidden = io->d_x, .topk_ids = io->d_ids, .topk_weights = io->d_w,
+                  .out = io->d_out, .stream = stream, .on_device = 1};
   return mm_backend_cuda.execute(op, 0, &e);
 }
 

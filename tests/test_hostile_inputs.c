@@ -494,6 +494,28 @@ static void test_token_counts(void) {
   CHECK_ERR(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_OK(mmfx_plan(op, TP));
   check_still_works(op);
+  /* ABI 1.2's max_tokens_any_rank: 0 or in [T, planned]; a 1.1-sized
+   * struct's caller never set it (its bytes are not read); same output */
+  enum { T = 5 };
+  static uint16_t want[T * H], got[T * H];
+  mmfx_io_init(&io, T, hid, ids, w, want);
+  CHECK_OK(mmfx_execute_io(op, 0, &io));
+  const size_t full = MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE,
+               v10 = MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0;
+  CHECK_ERR_MSG(mmfx_execute_sized(op, 0, &io.h, &io.ids, &io.w, &io.out, full, T - 1),
+                MEGAMOE_CODE_INVALID_ARGUMENT, "max_tokens_any_rank 4");
+  CHECK_ERR_MSG(mmfx_execute_sized(op, 0, &io.h, &io.ids, &io.w, &io.out, full, TP + 1),
+                MEGAMOE_CODE_INVALID_ARGUMENT, "max_tokens_any_rank");
+  CHECK_ERR(mmfx_execute_sized(op, 0, &io.h, &io.ids, &io.w, &io.out, full, -1),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  const int32_t fine[3] = {T, TP, 0};
+  for (int i = 0; i < 4; i++) {
+    mmfx_io_init(&io, T, hid, ids, w, got);
+    memset(got, 0x55, sizeof got);
+    CHECK_OK(i < 3 ? mmfx_execute_sized(op, 0, &io.h, &io.ids, &io.w, &io.out, full, fine[i])
+                   : mmfx_execute_sized(op, 0, &io.h, &io.ids, &io.w, &io.out, v10, -7));
+    CHECK_MSG(memcmp(got, want, sizeof got) == 0, "max_tokens_any_rank case %d", i);
+  }
   CHECK_OK(mmfx_destroy(op));
 }
 
