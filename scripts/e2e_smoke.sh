@@ -2,8 +2,8 @@
 # e2e_smoke.sh -- the main job: build (bootstrap), synthesize a checkpoint,
 # run the megamoe_fp4 operator end to end through the plugin ABI with
 # megamoe-host, check sampled tokens against the cpu-reference backend, print
-# timings (per layer; dispatch / compute / combine microseconds and GB/s per
-# rank on GPUs) and a one-line PASS/FAIL summary.
+# timings (per layer; on GPUs rank 0's dispatch / compute / combine
+# microseconds and GB/s) and a one-line PASS/FAIL summary.
 #
 # With GPUs: GLM-5 shapes (hidden 6144, expert size 2048, 256 experts, top-8),
 # ep-size = every visible GPU, both requant policies, decode (128 tokens per
@@ -18,6 +18,7 @@
 #                       without autotools; it must hold host/megamoe-host,
 #                       host/megamoe-synth and plugin/.libs/libmegamoe_plugin.so)
 #   E2E_FORCE_CPU=1     use the CPU path even when GPUs are present
+#   BUILD_DIR=DIR       where to build (default build/ in the source tree)
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 export NCCL_NVLS_ENABLE=0 # never NVLink multicast
