@@ -148,8 +148,10 @@ static void test_shipped_file_and_docs(void) {
   char *text = mm_test_read_file(path);
   snprintf(path, sizeof path, "%s/docs/CONFIG.md", mm_test_srcdir());
   char *doc = mm_test_read_file(path);
-  CHECK(text && doc);
-  if (!text || !doc) goto out;
+  snprintf(path, sizeof path, "%s/README.md", mm_test_srcdir());
+  char *readme = mm_test_read_file(path);
+  CHECK(text && doc && readme);
+  if (!text || !doc || !readme) goto out;
   size_t n = 0;
   for (const char *k; (k = mm_config_key_name(n)); n++) {
     const char *dot = strrchr(k, '.');
@@ -158,6 +160,8 @@ static void test_shipped_file_and_docs(void) {
     CHECK_MSG(strstr(text, want) != NULL, "conf/megamoe.yaml lacks %s", k);
     snprintf(want, sizeof want, "`%s`", k);
     CHECK_MSG(strstr(doc, want) != NULL, "docs/CONFIG.md lacks %s", want);
+    snprintf(want, sizeof want, "| `%s` |", k);
+    CHECK_MSG(strstr(readme, want) != NULL, "README.md's key table lacks %s", want);
   }
   CHECK(n >= 20);
   /* compute.prefill-path's thresholds, as both files state them, are the
@@ -175,6 +179,7 @@ static void test_shipped_file_and_docs(void) {
 out:
   free(text);
   free(doc);
+  free(readme);
 }
 
 static void test_every_key(void) {
