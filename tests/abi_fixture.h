@@ -178,21 +178,6 @@ static inline megamoe_error *mmfx_plan(megamoe_op *op, int tokens) {
   return mmfx_api->plan(&p);
 }
 
-static inline megamoe_error *mmfx_execute(megamoe_op *op, int layer, const DLTensor *h,
-                                          const DLTensor *ids, const DLTensor *w,
-                                          const DLTensor *out) {
-  megamoe_op_execute_args a;
-  memset(&a, 0, sizeof a);
-  a.struct_size = MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE;
-  a.op = op;
-  a.layer = layer;
-  a.hidden = h;
-  a.topk_ids = ids;
-  a.topk_weights = w;
-  a.out = out;
-  return mmfx_api->execute(&a);
-}
-
 /* execute with an explicit struct_size and ABI 1.2's max_tokens_any_rank */
 static inline megamoe_error *mmfx_execute_sized(megamoe_op *op, int layer, const DLTensor *h,
                                                 const DLTensor *ids, const DLTensor *w,
@@ -209,6 +194,12 @@ static inline megamoe_error *mmfx_execute_sized(megamoe_op *op, int layer, const
   a.out = out;
   a.max_tokens_any_rank = max_tokens_any_rank;
   return mmfx_api->execute(&a);
+}
+
+static inline megamoe_error *mmfx_execute(megamoe_op *op, int layer, const DLTensor *h,
+                                          const DLTensor *ids, const DLTensor *w,
+                                          const DLTensor *out) {
+  return mmfx_execute_sized(op, layer, h, ids, w, out, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, 0);
 }
 
 static inline megamoe_error *mmfx_destroy(megamoe_op *op) {
