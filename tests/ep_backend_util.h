@@ -126,6 +126,7 @@ static void free_op(mm_op *op) {
 
 typedef struct {
   int T, H, K;
+  int max_any; /* the step's largest T of any rank (0: unknown; mm_exec_io) */
   uint16_t *d_x, *d_out;
   int32_t *d_ids;
   float *d_w;
@@ -155,8 +156,9 @@ static int io_upload(dev_io *io, const uint16_t *x, const int32_t *ids, const fl
 }
 
 static mm_err *op_run(mm_op *op, dev_io *io, void *stream) {
-  mm_exec_io e = {.T = io->T, .hidden = io->d_x, .topk_ids = io->d_ids, .topk_weights = io->d_w,
-                  .out = io->d_out, .stream = stream, .on_device = 1};
+  mm_exec_io e = {.T = io->T, .max_tokens_any_rank = io->max_any, .hidden = io->d_x,
+                  .topk_ids = io->d_ids, .topk_weights = io->d_w, .out = io->d_out,
+                  .stream = stream, .on_device = 1};
   return mm_backend_cuda.execute(op, 0, &e);
 }
 

@@ -9,7 +9,9 @@
  *   over each low-latency transport (CUDA IPC, NCCL: MEGAMOE_EP_TRANSPORT);
  *   the eager results of the two must be equal bit for bit.
  * - Dispatch-mode auto: low-latency and normal steps (and T = 0) mixed, over
- *   both transports: outputs equal bit for bit.
+ *   both transports: outputs equal bit for bit. Again with ranks of
+ *   different T in a step, on both sides of the threshold, each passing the
+ *   step's largest T (max_tokens_any_rank, ABI 1.2).
  * - The fault path: the last rank withholds its execute. Every other rank
  *   must return DEADLINE_EXCEEDED within comm.timeout-ms (plus slack) rather
  *   than hang, in both dispatch modes and over both low-latency transports
@@ -216,6 +218,16 @@ static void test_graph_replay_ranks(void) {
  * the NCCL transport's bit for bit and the reference within tolerance. */
 enum { kMixSteps = 7, kMixMax = 48, kMixLL = 16 };
 static const int kMixT[kMixSteps] = {8, 40, 3, 0, 16, 1, 16};
+/* Uneven steps: even and odd ranks hold different T, on both sides of the
+ * threshold in some steps; each rank passes the step's largest T
+ * (max_tokens_any_rank), so that all choose the same mode. Deciding by
+ * their own T, the first steps' ranks would pick different modes and time
+ * out. */
+static const int kUnevenT[kMixSteps][2] = {{8, 40}, {40, 8}, {16, 17}, {0, 30},
+                                           {3, 3},  {0, 0},  {16, 1}};
+static int step_tokens(int uneven, int step, int rank) {
+  return uneven ? kUnevenT[step][rank % 2] : kMixT[step];
+}
 
 typedef struct {
   int R;
@@ -225,6 +237,7 @@ typedef struct {
   const float *w;
   uint16_t *out; /* [kMixSteps][R][kMixMax][H] */
   char key[64];
+  int uneven; /* kUnevenT with max_tokens_any_rank, else kMixT */
   int failed;
   pthread_mutex_t lock;
 } mix_ctx;
@@ -240,9 +253,10 @@ static void mix_rank(int rank, void *p) {
   bad = bad || err || io_alloc(&io, kMixMax, s->H, s->K);
   if (!bad && !err && rank == 0) printf("# rank 0: low-latency transport %s\n", mm_cuda_transport(op));
   for (int i = 0; i < kMixSteps && !bad && !err; i++) {
-    const int T = kMixT[i];
+    const int T = step_tokens(c->uneven, i, rank);
     const size_t t0 = ((size_t)i * c->R + (size_t)rank) * kMixMax;
     io.T = T;
+    io.max_any = c->uneven ? (kUnevenT[i][0] > kUnevenT[i][1] ? kUnevenT[i][0] : kUnevenT[i][1]) : 0;
     bad = io_upload(&io, c->x + t0 * s->H, c->ids + t0 * s->K, c->w + t0 * s->K);
     if (!bad) err = op_run(op, &io, NULL);
     if (!bad && !err) err = mm_cuda_check(op, NULL, 1);
@@ -258,7 +272,7 @@ static void mix_rank(int rank, void *p) {
   free_op(op);
 }
 
-static void test_auto_mode_transports(void) {
+static void auto_mode_transports(int uneven) {
   const layer_shape *s = &kShape;
   const int R = test_ranks();
   const size_t rows = (size_t)kMixSteps * R * kMixMax;
@@ -274,7 +288,7 @@ static void test_auto_mode_transports(void) {
   int failed = 0;
   for (int ti = 0; ti < 2; ti++) {
     setenv("MEGAMOE_EP_TRANSPORT", transports[ti], 1);
-    mix_ctx c = {.R = R, .ex = ex, .x = x, .ids = ids, .w = w, .out = out[ti]};
+    mix_ctx c = {.R = R, .ex = ex, .x = x, .ids = ids, .w = w, .out = out[ti], .uneven = uneven};
     snprintf(c.key, sizeof c.key, "ept-mix-%d", g_key_gen++);
     pthread_mutex_init(&c.lock, NULL);
     ept_run_ranks(R, mix_rank, &c);
@@ -285,15 +299,20 @@ static void test_auto_mode_transports(void) {
   unsetenv("MEGAMOE_EP_TRANSPORT");
   if (!failed) {
     size_t d = count_diff(out[0], out[1], rows * s->H);
-    printf("# dispatch-mode auto at %d ranks, steps of 8, 40 (normal), 3, 0, 16, 1, 16 tokens: "
-           "ipc vs nccl: %zu of %zu outputs differ\n", R, d, rows * s->H);
+    printf("# dispatch-mode auto at %d ranks, %s: ipc vs nccl: %zu of %zu outputs differ\n", R,
+           uneven ? "ranks of 8 and 40, 40 and 8, 16 and 17, 0 and 30, 3, 0, 16 and 1 tokens "
+                    "(max_tokens_any_rank)"
+                  : "steps of 8, 40 (normal), 3, 0, 16, 1, 16 tokens",
+           d, rows * s->H);
     CHECK_EQ_INT(d, 0);
     double worst = 0;
     for (int i = 0; i < kMixSteps; i++)
-      for (int r = 0; r < R && kMixT[i] > 0; r++) {
+      for (int r = 0; r < R; r++) {
+        const int T = step_tokens(uneven, i, r);
+        if (T == 0) continue;
         const size_t t0 = ((size_t)i * R + (size_t)r) * kMixMax;
-        reference(s, ex, kMixT[i], x + t0 * s->H, ids + t0 * s->K, w + t0 * s->K, want);
-        double rel = rel_frob(out[0] + t0 * s->H, want, (size_t)kMixT[i] * s->H);
+        reference(s, ex, T, x + t0 * s->H, ids + t0 * s->K, w + t0 * s->K, want);
+        double rel = rel_frob(out[0] + t0 * s->H, want, (size_t)T * s->H);
         if (rel > worst) worst = rel;
       }
     printf("# dispatch-mode auto: worst rel %.2e vs reference\n", worst);
@@ -302,6 +321,8 @@ static void test_auto_mode_transports(void) {
   mm_experts_free(ex, s->E);
   free(x), free(want), free(out[0]), free(out[1]), free(ids), free(w);
 }
+static void test_auto_mode_transports(void) { auto_mode_transports(0); }
+static void test_auto_mode_uneven_ranks(void) { auto_mode_transports(1); }
 
 /* ---- a rank withholds its execute ------------------------------------------------------- */
 
@@ -441,6 +462,7 @@ int main(void) {
   g_comm_timeout_ms = 20000; /* a broken peer costs seconds, not the suite */
   RUN(test_graph_replay_ranks);
   RUN(test_auto_mode_transports);
+  RUN(test_auto_mode_uneven_ranks);
   RUN(test_withheld_execute);
   return mm_test_done();
 }
