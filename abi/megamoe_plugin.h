@@ -331,7 +331,8 @@ typedef struct megamoe_op_plan_args {
  *   topk_weights float32 [T, top-k]
  *   out          bf16 [T, hidden], written by the call
  * All on the op's device (or the host for the CPU backend). T may be 0.
- * Each tensor's data + byte_offset must be aligned to its element size, and
+ * Each tensor's data + byte_offset must be aligned to its element size (the
+ * cuda backend: hidden and out to 16 bytes), and
  * out must not share bytes with an input (INVALID_ARGUMENT otherwise). An
  * expert id repeated within a token's top-k is allowed: every slot is its own
  * (token, expert) pair, the pairs are summed. NaN/Inf in a token's hidden row
@@ -433,6 +434,21 @@ typedef struct megamoe_op_info_args {
  *   get_info        strings point into the op.
  *   validate_config like create's checks, no op; thread-safe.
  *   check           errors left on the device by asynchronous executes.
+ *
+ * With ep-size > 1, plan and execute are collective over the op's group:
+ *   - plan: every rank calls it, with the same max_tokens_per_rank and the
+ *     same dispatch settings (it exchanges the low-latency geometry; ranks
+ *     that differ all get FAILED_PRECONDITION);
+ *   - execute: every rank calls it once per step, for the same layer, in the
+ *     same order; each rank's T may differ (max_tokens_any_rank keeps
+ *     dispatch-mode auto consistent). Bad expert ids and capacity overflows
+ *     are reported after the step completed on every rank: the op stays
+ *     usable. Any other error from one rank's execute (an argument refused,
+ *     a tensor of the cuda backend not 16-byte aligned, graph capture in the
+ *     normal mode) means that rank skipped or left the step while its peers
+ *     wait in it: the host must treat the group as failed (destroy every
+ *     rank's op, create anew), not execute that op again, whose next
+ *     exchanges would pair with the peers' pending step.
  */
 typedef struct megamoe_op_api {
   size_t struct_size;

@@ -242,6 +242,11 @@ mm_err *mm_cuda_check(mm_op *op, void *stream, int wait) {
 static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   cuda_state *s = state_of(op);
   MM_ARG_CHECK(io->on_device || io->T == 0, "the cuda backend takes device tensors");
+  /* checked here, before any exchange, not first where combine writes `out`
+   * (after the dispatch's exchanges: a rank refused there would leave its
+   * peers in the middle of the step) */
+  MM_ARG_CHECK(io->T == 0 || ((uintptr_t)io->hidden % 16 == 0 && (uintptr_t)io->out % 16 == 0),
+               "the cuda backend needs hidden and out 16-byte aligned");
   if (!s->engine) return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "execute before plan");
   const mm_sm90_layer *L = op->layers[layer].backend_layer;
   if (!L) return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "layer %d is not prepared", layer);

@@ -283,6 +283,23 @@ mm_err *mm_ep_ipc_create(const mm_ep_ipc_args *a, mm_ep_ipc **out) {
   mine->ok = want && ce == cudaSuccess;
   mine->ptr = (uint64_t)(uintptr_t)x->base;
   if (R > 1) MM_TRY_GOTO(gather(a->comm, R, me, recs, sizeof *recs), err, fail);
+  /* The low-latency exchange has one geometry for the whole group, whatever
+   * its transport: over NCCL, ranks of different geometries would post
+   * sends and receives of different sizes, and the first step would hang.
+   * Every rank sees the same records, so every rank refuses the plan. */
+  for (int q = 0; q < R; q++) {
+    const ipc_info *p = &recs[q];
+    if (p->ll_tokens != mine->ll_tokens || p->row_bytes != mine->row_bytes ||
+        p->hidden != mine->hidden || p->top_k != mine->top_k || p->bytes != mine->bytes) {
+      err = mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                     "rank %d planned another low-latency geometry (%d tokens, H %d, k %d) than "
+                     "rank %d (%d, %d, %d): every rank must plan the same "
+                     "num-max-tokens-per-rank and low-latency settings",
+                     q, p->ll_tokens, p->hidden, p->top_k, me, mine->ll_tokens, mine->hidden,
+                     mine->top_k);
+      goto fail;
+    }
+  }
   /* Every rank decides from the same records. */
   int ok = 1;
   for (int q = 0; q < R && ok; q++) {
@@ -296,12 +313,6 @@ mm_err *mm_ep_ipc_create(const mm_ep_ipc_args *a, mm_ep_ipc **out) {
     } else if (strncmp(p->host, mine->host, sizeof p->host)) {
       snprintf(why, sizeof why, "rank %d is on host %.64s, rank %d on %.64s", q, p->host, me,
                mine->host);
-      ok = 0;
-    } else if (p->ll_tokens != mine->ll_tokens || p->row_bytes != mine->row_bytes ||
-               p->hidden != mine->hidden || p->top_k != mine->top_k || p->bytes != mine->bytes) {
-      snprintf(why, sizeof why, "rank %d planned another low-latency geometry (%d tokens, "
-               "H %d, k %d) than rank %d (%d, %d, %d)", q, p->ll_tokens, p->hidden, p->top_k, me,
-               mine->ll_tokens, mine->hidden, mine->top_k);
       ok = 0;
     }
   }
