@@ -445,10 +445,11 @@ typedef struct megamoe_op_info_args {
  *     are reported after the step completed on every rank: the op stays
  *     usable. Any other error from one rank's execute (an argument refused,
  *     a tensor of the cuda backend not 16-byte aligned, graph capture in the
- *     normal mode) means that rank skipped or left the step while its peers
- *     wait in it: the host must treat the group as failed (destroy every
- *     rank's op, create anew), not execute that op again, whose next
- *     exchanges would pair with the peers' pending step.
+ *     normal mode) means that rank skipped the step its peers wait in: its
+ *     op turns fatal at once (later calls: ABORTED; its communicator is
+ *     aborted, so it never exchanges out of step), the peers' step fails
+ *     with DEADLINE_EXCEEDED, and the host must destroy every rank's op and
+ *     create them anew.
  */
 typedef struct megamoe_op_api {
   size_t struct_size;

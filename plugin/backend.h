@@ -57,6 +57,9 @@ typedef struct mm_backend_ops {
   /* Optional: the phases of the last eager execute (see
    * megamoe_op_info_args); fields it cannot tell stay -1. Never waits. */
   void (*last_step)(mm_op *op, mm_step_stats *out);
+  /* Optional: the op refused an execute (`why`) before the backend saw it;
+   * with peers the backend takes the op out of the group (fatal). */
+  void (*refuse_step)(mm_op *op, mm_err *why);
 } mm_backend_ops;
 
 

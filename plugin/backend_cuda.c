@@ -67,6 +67,25 @@ static mm_err *note_fatal(mm_op *op, mm_err *err) {
   return err;
 }
 
+/* This rank refuses a step before its first exchange. With peers, who run
+ * the step, it cannot rejoin their exchanges in step (its next step's
+ * would pair with their pending one), so the communicator is marked failed
+ * (aborted when the op owns it) and the op turns fatal; the peers' step
+ * times out. Alone (ep-size 1) nothing is pending: the op stays usable. */
+static mm_err *refuse_step(mm_op *op, mm_err *err) {
+  cuda_state *s = state_of(op);
+  if (err && op->ep_size > 1 && s && s->comm && op->state != MM_OP_FATAL) {
+    char why[320];
+    snprintf(why, sizeof why, "rank %d refused a step its peers run (%s)", op->rank,
+             megamoe_error_message(err));
+    megamoe_error_destroy(mm_ep_comm_abort(s->comm, MEGAMOE_CODE_ABORTED, why));
+    note_fatal(op, NULL);
+  }
+  return err;
+}
+
+static void cuda_refuse_step(mm_op *op, mm_err *err) { refuse_step(op, err); }
+
 /* Errors of earlier low-latency steps still unreported when the engine goes
  * away (plan again, destroy): logged, since those calls have no step to blame. */
 static void log_pending(mm_op *op, const char *when) {
@@ -241,26 +260,33 @@ mm_err *mm_cuda_check(mm_op *op, void *stream, int wait) {
 
 static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   cuda_state *s = state_of(op);
-  MM_ARG_CHECK(io->on_device || io->T == 0, "the cuda backend takes device tensors");
-  /* checked here, before any exchange, not first where combine writes `out`
-   * (after the dispatch's exchanges: a rank refused there would leave its
-   * peers in the middle of the step) */
-  MM_ARG_CHECK(io->T == 0 || ((uintptr_t)io->hidden % 16 == 0 && (uintptr_t)io->out % 16 == 0),
-               "the cuda backend needs hidden and out 16-byte aligned");
+  /* Refusals come before the first exchange (refuse_step). The alignment
+   * is checked here, not first where combine writes `out`, after the
+   * dispatch's exchanges. */
+  if (!io->on_device && io->T > 0)
+    return refuse_step(op, mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                                    "the cuda backend takes device tensors"));
+  if (io->T > 0 && ((uintptr_t)io->hidden % 16 || (uintptr_t)io->out % 16))
+    return refuse_step(op, mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                                    "the cuda backend needs hidden and out 16-byte aligned"));
   if (!s->engine) return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "execute before plan");
   const mm_sm90_layer *L = op->layers[layer].backend_layer;
-  if (!L) return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "layer %d is not prepared", layer);
-  MM_TRY(cuda_err(cudaSetDevice(op->device), "cudaSetDevice"));
+  if (!L)
+    return refuse_step(
+        op, mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "layer %d is not prepared", layer));
+  MM_TRY(refuse_step(op, cuda_err(cudaSetDevice(op->device), "cudaSetDevice")));
   cudaStream_t st = io->stream ? (cudaStream_t)io->stream : s->stream;
-  const int mode = mm_cuda_dispatch_mode(op, mm_dispatch_deciding_tokens(io->T, io->max_tokens_any_rank));
+  const int mode =
+      mm_cuda_dispatch_mode(op, mm_dispatch_deciding_tokens(io->T, io->max_tokens_any_rank));
   enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  MM_TRY(cuda_err(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing"));
+  MM_TRY(refuse_step(op, cuda_err(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing")));
   const int capturing = cap != cudaStreamCaptureStatusNone;
   if (capturing && mode == MM_EP_MODE_NORMAL)
-    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
-                    "execute under CUDA graph capture needs the low-latency dispatch mode (T = %d; "
-                    "set dispatch-mode: low-latency or T <= dispatch.low-latency-max-tokens)",
-                    io->T);
+    return refuse_step(
+        op, mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                     "execute under CUDA graph capture needs the low-latency dispatch mode (T = "
+                     "%d; set dispatch-mode: low-latency or T <= dispatch.low-latency-max-tokens)",
+                     io->T));
   /* without the prefill path's region, which the compute does without when
    * the plan did not reserve it (planned before this layer was prepared) */
   const size_t ws_need =
@@ -348,5 +374,5 @@ static void cuda_last_step(mm_op *op, mm_step_stats *out) {
 
 const mm_backend_ops mm_backend_cuda = {
     "cuda", cuda_init, cuda_prepare_layer, cuda_plan, cuda_execute, cuda_destroy,
-    cuda_release_layer, mm_cuda_check, cuda_last_step,
+    cuda_release_layer, mm_cuda_check, cuda_last_step, cuda_refuse_step,
 };

@@ -371,10 +371,8 @@ static int views_overlap(const mm_tensor_view *a, const mm_tensor_view *b) {
   return an && bn && x < y + bn && y < x + an;
 }
 
-static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
-  CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0, "execute");
-  mm_op *op;
-  MM_TRY(check_op(args->op, "execute", &op));
+/* The checks of an execute on a live op, and what the backend gets. */
+static mm_err *execute_io(const megamoe_op_execute_args *args, mm_op *op, mm_exec_io *out_io) {
   if (op->state != MM_OP_PLANNED)
     return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION, "execute: call plan first");
   if (args->layer < 0 || args->layer >= op->num_layer_slots || !op->layers[args->layer].ready)
@@ -417,10 +415,25 @@ static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
   for (int i = 0; T > 0 && i < 3; i++)
     if (views_overlap(&ov, ins[i]))
       return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "execute: out overlaps %s", ins[i]->name);
-  mm_exec_io io = {.T = (int)T, .max_tokens_any_rank = max_any, .hidden = hv.data,
-                   .topk_ids = iv.data, .topk_weights = wv.data, .out = (uint16_t *)ov.data,
-                   .stream = args->stream, .on_device = want_dev >= 0};
-  mm_err *err = op->backend->execute(op, args->layer, &io);
+  *out_io = (mm_exec_io){.T = (int)T, .max_tokens_any_rank = max_any, .hidden = hv.data,
+                         .topk_ids = iv.data, .topk_weights = wv.data,
+                         .out = (uint16_t *)ov.data, .stream = args->stream,
+                         .on_device = want_dev >= 0};
+  return NULL;
+}
+
+static megamoe_error *op_execute_body(megamoe_op_execute_args *args) {
+  CHECK_ARGS(args, MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0, "execute");
+  mm_op *op;
+  MM_TRY(check_op(args->op, "execute", &op));
+  mm_exec_io io;
+  mm_err *err = execute_io(args, op, &io);
+  if (err) {
+    /* a step this rank refuses while its peers run it (abi: "With ep-size > 1") */
+    if (op->ep_size > 1 && op->backend->refuse_step) op->backend->refuse_step(op, err);
+    return err;
+  }
+  err = op->backend->execute(op, args->layer, &io);
   return mm_error_wrap(err, "execute(layer %d)", args->layer);
 }
 

@@ -12,7 +12,8 @@
  *   both transports: outputs equal bit for bit. Again with ranks of
  *   different T in a step, on both sides of the threshold, each passing the
  *   step's largest T (max_tokens_any_rank, ABI 1.2).
- * - The fault path: the last rank withholds its execute. Every other rank
+ * - The fault path: the last rank withholds its execute (or has it refused,
+ *   which also makes its own op fatal). Every other rank
  *   must return DEADLINE_EXCEEDED within comm.timeout-ms (plus slack) rather
  *   than hang, in both dispatch modes and over both low-latency transports
  *   (IPC: the device-side timeout, naming the peer); the op is then fatal.
@@ -338,6 +339,8 @@ typedef struct {
   pthread_barrier_t barrier;
   pthread_mutex_t lock;
   int ipc; /* the low-latency transport asked for is CUDA IPC */
+  int refuse; /* the last rank calls execute with a misaligned `out` instead of withholding it */
+  int refused_fatal; /* it got INVALID_ARGUMENT and its op turned fatal */
   int failed, timeouts, ipc_reports;
   double worst_ms;
 } fault_ctx;
@@ -360,6 +363,20 @@ static void fault_rank(int rank, void *p) {
     err = NULL;
   }
   pthread_barrier_wait(&c->barrier);
+  if (!bad && withhold && c->refuse) {
+    /* refused before any exchange: the peers run the step without this rank */
+    dev_io mis = io;
+    mis.d_out = io.d_out + 1; /* aligned to its bf16 elements, not to 16 bytes */
+    err = op_run(op, &mis, NULL);
+    const int fatal = err && err->code == MEGAMOE_CODE_INVALID_ARGUMENT && op->state == MM_OP_FATAL;
+    printf("# rank %d refused: %s; op %s\n", rank, err ? err->message : "no error",
+           op->state == MM_OP_FATAL ? "fatal" : "usable");
+    megamoe_error_destroy(err);
+    err = NULL;
+    pthread_mutex_lock(&c->lock);
+    c->refused_fatal = fatal;
+    pthread_mutex_unlock(&c->lock);
+  }
   if (!bad && !withhold) {
     double a = wall_ms();
     err = op_run(op, &io, NULL);
@@ -406,7 +423,7 @@ static void fault_rank(int rank, void *p) {
   free_op(op);
 }
 
-static void test_withheld_execute(void) {
+static void withheld_execute(int refuse) {
   const layer_shape *s = &kShape;
   const int R = test_ranks(), T = 24, G = R * T;
   mm_expert_q *ex = ept_make_experts(s->E, s->H, s->I, s->gran, mm_test_rand_u64());
@@ -419,25 +436,27 @@ static void test_withheld_execute(void) {
   const int saved_timeout = g_comm_timeout_ms;
   g_comm_timeout_ms = 3000;
   const int p2p = peers_ok(R);
-  /* normal; low-latency over NCCL; low-latency over CUDA IPC */
-  for (int variant = 0; variant < 3; variant++) {
+  /* normal; low-latency over NCCL; low-latency over CUDA IPC (refused: normal only) */
+  for (int variant = 0; variant < (refuse ? 1 : 3); variant++) {
     const int dm = variant == 0 ? MM_DISPATCH_NORMAL : MM_DISPATCH_LOW_LATENCY;
     setenv("MEGAMOE_EP_TRANSPORT", variant == 2 ? "ipc" : "nccl", 1);
     fault_ctx c = {.R = R, .T = T, .timeout_ms = g_comm_timeout_ms, .dm = (mm_dispatch_mode)dm,
-                   .ex = ex, .x = x, .ids = ids, .w = w, .out = out, .ipc = variant == 2};
+                   .ex = ex, .x = x, .ids = ids, .w = w, .out = out, .ipc = variant == 2,
+                   .refuse = refuse};
     snprintf(c.key, sizeof c.key, "ept-fault-%d", g_key_gen++);
     snprintf(c.key2, sizeof c.key2, "ept-fault-%d", g_key_gen++);
     pthread_barrier_init(&c.barrier, NULL, (unsigned)R);
     pthread_mutex_init(&c.lock, NULL);
     memset(out, 0xFF, (size_t)G * s->H * 2);
     ept_run_ranks(R, fault_rank, &c);
-    printf("# withheld execute at %d ranks (%s%s): %d of %d waiting ranks timed out, worst %.0f "
+    printf("# %s execute at %d ranks (%s%s): %d of %d waiting ranks timed out, worst %.0f "
            "ms (limit %d ms), %d reports from the IPC exchange\n",
-           R, dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency",
+           refuse ? "refused" : "withheld", R, dm == MM_DISPATCH_NORMAL ? "normal" : "low-latency",
            variant == 0 ? "" : variant == 1 ? ", nccl" : ", ipc", c.timeouts, R - 1, c.worst_ms,
            c.timeout_ms, c.ipc_reports);
     CHECK(!c.failed);
     CHECK_EQ_INT(c.timeouts, R - 1);
+    if (refuse) CHECK(c.refused_fatal);
     if (c.ipc && p2p) CHECK_EQ_INT(c.ipc_reports, R - 1);
     CHECK(c.worst_ms < c.timeout_ms + 5000);
     reference(s, ex, G, x, ids, w, want);
@@ -453,6 +472,11 @@ static void test_withheld_execute(void) {
   ept_batch_free(&in);
   free(out), free(want);
 }
+static void test_withheld_execute(void) { withheld_execute(0); }
+/* A rank refuses its execute (an `out` not 16-byte aligned): its op turns
+ * fatal at once (it cannot rejoin the step its peers run), the peers time
+ * out, and fresh ops recover. */
+static void test_refused_execute(void) { withheld_execute(1); }
 
 int main(void) {
   if (mm_cuda_device_count() <= 0) return mm_test_skip_all("no GPU");
@@ -464,5 +488,6 @@ int main(void) {
   RUN(test_auto_mode_transports);
   RUN(test_auto_mode_uneven_ranks);
   RUN(test_withheld_execute);
+  RUN(test_refused_execute);
   return mm_test_done();
 }
