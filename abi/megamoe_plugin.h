@@ -443,9 +443,10 @@ typedef struct megamoe_op_info_args {
  *     same order; each rank's T may differ (max_tokens_any_rank keeps
  *     dispatch-mode auto consistent). Bad expert ids and capacity overflows
  *     are reported after the step completed on every rank: the op stays
- *     usable. Any other error from one rank's execute (an argument refused,
- *     a tensor of the cuda backend not 16-byte aligned, graph capture in the
- *     normal mode) means that rank skipped the step its peers wait in: its
+ *     usable. Graph capture in the normal mode is refused (FAILED_PRECONDITION)
+ *     on every rank alike when they capture alike. Any other error from one
+ *     rank's execute (an argument refused, a tensor of the cuda backend not
+ *     16-byte aligned) means that rank skipped the step its peers wait in: its
  *     op turns fatal at once (later calls: ABORTED; its communicator is
  *     aborted, so it never exchanges out of step), the peers' step fails
  *     with DEADLINE_EXCEEDED, and the host must destroy every rank's op and

@@ -281,12 +281,14 @@ static mm_err *cuda_execute(mm_op *op, int layer, const mm_exec_io *io) {
   enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   MM_TRY(refuse_step(op, cuda_err(cudaStreamIsCapturing(st, &cap), "cudaStreamIsCapturing")));
   const int capturing = cap != cudaStreamCaptureStatusNone;
+  /* not refuse_step: aborting a communicator inside a stream capture would
+   * break the capture; a host captures on every rank alike, and with
+   * max_tokens_any_rank every rank chooses the same mode, so all refuse */
   if (capturing && mode == MM_EP_MODE_NORMAL)
-    return refuse_step(
-        op, mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
-                     "execute under CUDA graph capture needs the low-latency dispatch mode (T = "
-                     "%d; set dispatch-mode: low-latency or T <= dispatch.low-latency-max-tokens)",
-                     io->T));
+    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                    "execute under CUDA graph capture needs the low-latency dispatch mode (T = %d; "
+                    "set dispatch-mode: low-latency or T <= dispatch.low-latency-max-tokens)",
+                    io->T);
   /* without the prefill path's region, which the compute does without when
    * the plan did not reserve it (planned before this layer was prepared) */
   const size_t ws_need =
