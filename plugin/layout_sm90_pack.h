@@ -10,10 +10,19 @@
 #define MM_LAYOUT_SM90_PACK_H
 
 #include "layout_sm90.h"
+#include "layout_sm90_pack_rules.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Fills the tables of the packing steps for record mode `mode`
+ * (mm_sm90_record_mode). 0, or -1 if the slot functions break the
+ * one-word-per-byte property the gather relies on (never, by the layout). */
+int mm_sm90_pack_tables_build(mm_sm90_pack_tables *T, mm_weight_mode mode);
+
+/* The reference's message for a fault of the packing steps. */
+void mm_sm90p_fault_message(const mm_sm90p_fault *f, char msg[256]);
 
 /* mm_sm90_pack_matrix on `threads` threads (0 = all cores). */
 mm_err *mm_sm90_pack_matrix_fast(const mm_qmat *m, mm_weight_mode mode, int gate_up,
