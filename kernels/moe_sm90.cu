@@ -11,6 +11,7 @@
 #include "moe_sm90_impl.h"
 /* after the impl header: it includes the C headers inside extern "C" */
 #include "layout_sm90_pack.h"
+#include "pack_sm90.h"
 
 /* ---------------------------------------------------------------- layer ---- */
 
@@ -70,6 +71,13 @@ static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
   return ce;
 }
 
+/* MEGAMOE_SM90_HOST_PACK=1 packs on the host's cores (layout_sm90_pack.c)
+ * instead of the GPU: the same bytes, for comparisons (docs/CONFIG.md). */
+static int host_pack_chosen(void) {
+  const char *v = getenv("MEGAMOE_SM90_HOST_PACK");
+  return v && v[0] == '1' && !v[1];
+}
+
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                                         mm_weight_mode mode, void *stream,
                                         mm_sm90_layer **out) {
@@ -94,9 +102,6 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
   if (!L) return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
   mm_err *err = NULL;
   float *hrs = NULL;
-  /* Host packing on all cores into two staging buffers (pinned when
-   * possible), kChunk experts each: chunk i+1 is packed while chunk i
-   * uploads; an event per buffer says when its last upload has read it. */
   const int kChunk = 2;
   const int chunk = num_local < kChunk ? num_local : kChunk;
   const size_t stage_bytes = (size_t)chunk * L->expert_bytes;
@@ -117,26 +122,6 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
   }
   L->d_rs2 = L->d_rs13 + (size_t)num_local * (size_t)(2 * I);
   L->device_bytes = wbytes + sizeof(float) * rs_count + MM_SM90_LUT_ENTRIES * 8;
-  hrs = (float *)malloc(sizeof(float) * rs_count);
-  if (!hrs) {
-    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
-    goto fail;
-  }
-  for (int i = 0; i < 2; i++) {
-    if (cudaMallocHost((void **)&stage[i], stage_bytes) == cudaSuccess) {
-      pinned[i] = 1;
-    } else {
-      (void)cudaGetLastError(); /* pageable instead: an async copy returns once staged */
-      stage[i] = (uint8_t *)malloc(stage_bytes);
-    }
-    ce = cudaEventCreateWithFlags(&uploaded[i], cudaEventDisableTiming);
-    if (!stage[i] || ce != cudaSuccess) {
-      err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED,
-                     "sm90 layer: staging buffer of %zu bytes: %s", stage_bytes,
-                     stage[i] ? cudaGetErrorString(ce) : "out of host memory");
-      goto fail;
-    }
-  }
   {
     uint8_t lut[MM_SM90_LUT_ENTRIES][8];
     mm_sm90_lut_table(lut);
@@ -148,33 +133,69 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
       goto fail;
     }
   }
-  for (int e0 = 0, b = 0; e0 < num_local; e0 += chunk, b ^= 1) {
-    const int n = num_local - e0 < chunk ? num_local - e0 : chunk;
-    ce = cudaEventSynchronize(uploaded[b]); /* success at once if never recorded */
-    if (ce != cudaSuccess) {
-      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload before expert %d failed: %s",
-                     e0, cudaGetErrorString(ce));
+  if (!host_pack_chosen()) {
+    /* The canonical matrices go up a few experts at a time and the GPU
+     * packs them (pack_sm90.cu): same bytes as the host packer. */
+    err = mm_sm90_pack_experts_gpu(experts, num_local, 0, mode, L->d_w, L->d_rs13, L->d_rs2,
+                                   fold, st);
+    if (err) goto fail;
+  } else {
+    /* Host packing on all cores into two staging buffers (pinned when
+     * possible), kChunk experts each: chunk i+1 is packed while chunk i
+     * uploads; an event per buffer says when its last upload has read it. */
+    hrs = (float *)malloc(sizeof(float) * rs_count);
+    if (!hrs) {
+      err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 layer: out of host memory");
       goto fail;
     }
-    err = mm_sm90_pack_experts(experts + e0, n, e0, mode, 0, stage[b],
-                               hrs + (size_t)e0 * (size_t)(2 * I),
-                               hrs + (size_t)num_local * (size_t)(2 * I) + (size_t)e0 * (size_t)H,
-                               fold);
-    if (err) goto fail;
-    ce = cudaMemcpyAsync(L->d_w + (size_t)e0 * L->expert_bytes, stage[b],
-                         (size_t)n * L->expert_bytes, cudaMemcpyHostToDevice, st);
-    if (ce == cudaSuccess) ce = cudaEventRecord(uploaded[b], st);
+    for (int i = 0; i < 2; i++) {
+      if (cudaMallocHost((void **)&stage[i], stage_bytes) == cudaSuccess) {
+        pinned[i] = 1;
+      } else {
+        (void)cudaGetLastError(); /* pageable instead: an async copy returns once staged */
+        stage[i] = (uint8_t *)malloc(stage_bytes);
+      }
+      ce = cudaEventCreateWithFlags(&uploaded[i], cudaEventDisableTiming);
+      if (!stage[i] || ce != cudaSuccess) {
+        err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED,
+                       "sm90 layer: staging buffer of %zu bytes: %s", stage_bytes,
+                       stage[i] ? cudaGetErrorString(ce) : "out of host memory");
+        goto fail;
+      }
+    }
+    for (int e0 = 0, b = 0; e0 < num_local; e0 += chunk, b ^= 1) {
+      const int n = num_local - e0 < chunk ? num_local - e0 : chunk;
+      ce = cudaEventSynchronize(uploaded[b]); /* success at once if never recorded */
+      if (ce != cudaSuccess) {
+        err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload before expert %d failed: %s",
+                       e0, cudaGetErrorString(ce));
+        goto fail;
+      }
+      err = mm_sm90_pack_experts(experts + e0, n, e0, mode, 0, stage[b],
+                                 hrs + (size_t)e0 * (size_t)(2 * I),
+                                 hrs + (size_t)num_local * (size_t)(2 * I) + (size_t)e0 * (size_t)H,
+                                 fold);
+      if (err) goto fail;
+      ce = cudaMemcpyAsync(L->d_w + (size_t)e0 * L->expert_bytes, stage[b],
+                           (size_t)n * L->expert_bytes, cudaMemcpyHostToDevice, st);
+      if (ce == cudaSuccess) ce = cudaEventRecord(uploaded[b], st);
+      if (ce != cudaSuccess) {
+        err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of experts %d..%d failed: %s",
+                       e0, e0 + n - 1, cudaGetErrorString(ce));
+        goto fail;
+      }
+    }
+    /* Same stream: this also waits for the weight uploads. */
+    ce = cudaMemcpyAsync(L->d_rs13, hrs, sizeof(float) * rs_count, cudaMemcpyHostToDevice, st);
     if (ce != cudaSuccess) {
-      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of experts %d..%d failed: %s",
-                     e0, e0 + n - 1, cudaGetErrorString(ce));
+      err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of row factors failed: %s",
+                     cudaGetErrorString(ce));
       goto fail;
     }
   }
-  /* Same stream: this also waits for the weight uploads. */
-  ce = cudaMemcpyAsync(L->d_rs13, hrs, sizeof(float) * rs_count, cudaMemcpyHostToDevice, st);
-  if (ce == cudaSuccess) ce = refs_zero(L, st);
+  ce = refs_zero(L, st);
   if (ce != cudaSuccess) {
-    err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: upload of row factors failed: %s",
+    err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layer: reference check failed: %s",
                    cudaGetErrorString(ce));
     goto fail;
   }

@@ -1,0 +1,262 @@
+/* gpu_test_pack_sm90.c -- the GPU sm90 packer (kernels/pack_sm90.cu)
+ * against the host packer (mm_sm90_pack_experts, itself tested against the
+ * reference in test_sm90_pack): byte-identical records and row factors
+ * (device outputs poisoned first), fold sums equal up to the order of
+ * their additions, identical errors naming the same expert, in every mode,
+ * on layers of more experts than one upload takes, with foldable and
+ * unfoldable blocks, every E4M3 scale byte and NaN scales; and the time of
+ * both on one GLM-5 EP8 layer (32 experts, H 6144, I 2048: printed, not
+ * checked). Skips without a GPU. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpu_harness.h"
+#include "layout_sm90_pack.h"
+#include "pack_sm90.h"
+#include "sm90_pack_data.h"
+#include "sm90_test_scales.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct {
+  mm_err *err;
+  uint8_t *w;
+  float *rs;
+  double fold[2];
+  double seconds;
+} pack_out;
+
+/* Packs experts[0 .. E) on the host (threads: 0 = all cores) or the GPU;
+ * outputs start poisoned (different bytes on each side). */
+static pack_out run_pack(mm_expert_q *x, int E, mm_weight_mode mode, int gpu) {
+  const int H = x[0].w13.cols, I = x[0].w2.cols;
+  const mm_weight_mode rm = mm_sm90_record_mode(mode);
+  const size_t bytes = (size_t)E * (mm_sm90_matrix_bytes(rm, 2 * I, H) + mm_sm90_matrix_bytes(rm, H, I));
+  const size_t nrs = (size_t)E * (size_t)(2 * I + H);
+  pack_out o = {NULL, malloc(bytes), malloc(sizeof(float) * nrs), {0.0, 0.0}, 0.0};
+  memset(o.w, gpu ? 0xA5 : 0x5A, bytes);
+  memset(o.rs, gpu ? 0x22 : 0x11, sizeof(float) * nrs);
+  if (!gpu) {
+    const double t0 = now_s();
+    o.err = mm_sm90_pack_experts(x, E, 3, mode, 0, o.w, o.rs, o.rs + (size_t)E * (size_t)(2 * I),
+                                 o.fold);
+    o.seconds = now_s() - t0;
+    return o;
+  }
+  uint8_t *dw = NULL;
+  float *drs = NULL;
+  if (cudaMalloc((void **)&dw, bytes) != cudaSuccess ||
+      cudaMalloc((void **)&drs, sizeof(float) * nrs) != cudaSuccess) {
+    o.err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "test: cudaMalloc");
+    return o;
+  }
+  cudaMemset(dw, 0xA5, bytes);
+  cudaMemset(drs, 0x22, sizeof(float) * nrs);
+  cudaStream_t st;
+  cudaStreamCreate(&st);
+  cudaDeviceSynchronize();
+  const double t0 = now_s();
+  o.err = mm_sm90_pack_experts_gpu(x, E, 3, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I),
+                                   o.fold, st);
+  o.seconds = now_s() - t0;
+  cudaMemcpy(o.w, dw, bytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(o.rs, drs, sizeof(float) * nrs, cudaMemcpyDeviceToHost);
+  cudaStreamDestroy(st);
+  cudaFree(dw);
+  cudaFree(drs);
+  return o;
+}
+
+static int close_rel(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(a) + 1e-300; }
+
+/* Host and GPU packing of one layer; returns 1 if both failed alike. */
+static int compare_layer(mm_expert_q *x, int E, mm_weight_mode mode, const char *what) {
+  const int H = x[0].w13.cols, I = x[0].w2.cols;
+  const mm_weight_mode rm = mm_sm90_record_mode(mode);
+  const size_t bytes = (size_t)E * (mm_sm90_matrix_bytes(rm, 2 * I, H) + mm_sm90_matrix_bytes(rm, H, I));
+  const size_t nrs = (size_t)E * (size_t)(2 * I + H);
+  pack_out h = run_pack(x, E, mode, 0), g = run_pack(x, E, mode, 1);
+  int both_failed = h.err && g.err;
+  CHECK_MSG(!h.err == !g.err, "%s mode %d: host %s, GPU %s", what, (int)mode,
+            h.err ? h.err->message : "ok", g.err ? g.err->message : "ok");
+  if (h.err && g.err) {
+    CHECK_EQ_INT(h.err->code, g.err->code);
+    CHECK_MSG(strcmp(h.err->message, g.err->message) == 0, "messages differ:\n#  %s\n#  %s",
+              h.err->message, g.err->message);
+    printf("# %s mode %d: both refuse: %s\n", what, (int)mode, g.err->message);
+  } else if (!h.err && !g.err) {
+    size_t first = bytes;
+    for (size_t i = 0; i < bytes && first == bytes; i++)
+      if (h.w[i] != g.w[i]) first = i;
+    CHECK_MSG(first == bytes, "%s mode %d: records differ from byte %zu of %zu", what, (int)mode,
+              first, bytes);
+    CHECK_MSG(memcmp(h.rs, g.rs, sizeof(float) * nrs) == 0, "%s mode %d: row factors differ",
+              what, (int)mode);
+    CHECK_MSG(close_rel(h.fold[0], g.fold[0]) && close_rel(h.fold[1], g.fold[1]),
+              "%s mode %d: fold sums %.17g %.17g vs %.17g %.17g", what, (int)mode, h.fold[0],
+              h.fold[1], g.fold[0], g.fold[1]);
+    if (rm == MM_WMODE_G16_FP8) CHECK(g.fold[1] > 0.0 && g.fold[0] > 0.0);
+  }
+  mm_error_free(h.err);
+  mm_error_free(g.err);
+  free(h.w), free(h.rs), free(g.w), free(g.rs);
+  return both_failed;
+}
+
+static void alloc_layer(mm_expert_q *x, int E, int H, int I, int g32) {
+  for (int e = 0; e < E; e++) {
+    CHECK(mm_qmat_alloc(&x[e].w13, 2 * I, H, g32 ? 32 : 16, g32 ? MM_SF_UE8M0 : MM_SF_E4M3) == 0);
+    CHECK(mm_qmat_alloc(&x[e].w2, H, I, g32 ? 32 : 16, g32 ? MM_SF_UE8M0 : MM_SF_E4M3) == 0);
+  }
+}
+static void free_layer(mm_expert_q *x, int E) {
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&x[e].w13);
+    mm_qmat_free(&x[e].w2);
+  }
+}
+
+/* Layers of 1, 5 and 9 experts (more than one upload of 4) in every mode. */
+static void test_random_layers(void) {
+  static const int kLayers[][3] = {{1, 128, 128}, {5, 256, 128}, {9, 384, 256}};
+  for (int s = 0; s < 3; s++) {
+    const int E = kLayers[s][0], H = kLayers[s][1], I = kLayers[s][2];
+    mm_expert_q *x = calloc((size_t)E, sizeof *x);
+    alloc_layer(x, E, H, I, 1);
+    for (int e = 0; e < E; e++) {
+      rand_g32(&x[e].w13, 14);
+      rand_g32(&x[e].w2, 14);
+    }
+    CHECK(!compare_layer(x, E, MM_WMODE_G32_FP8, "g32"));
+    CHECK(!compare_layer(x, E, MM_WMODE_G32_F16_EXACT, "g32"));
+    free_layer(x, E);
+    alloc_layer(x, E, H, I, 0);
+    for (int e = 0; e < E; e++) {
+      rand_g16(&x[e].w13, e % 2);
+      rand_g16(&x[e].w2, (e + 1) % 2);
+    }
+    CHECK(!compare_layer(x, E, MM_WMODE_G16_BF16_EXACT, "g16"));
+    CHECK(!compare_layer(x, E, MM_WMODE_G16_FP8, "g16"));
+    free_layer(x, E);
+    free(x);
+  }
+}
+
+/* Mode 1's extremes: wide spreads (some blocks fold, some are refused),
+ * the largest and smallest exponents; mode 3 with every E4M3 byte. */
+static void test_extremes(void) {
+  const int E = 6, H = 256, I = 128;
+  mm_expert_q x[6];
+  alloc_layer(x, E, H, I, 1);
+  int refused = 0;
+  for (int k = 0; k < 8; k++) {
+    for (int e = 0; e < E; e++) {
+      rand_g32(&x[e].w13, 14 + (k + e) % 4);
+      rand_g32(&x[e].w2, 14 + (k * e) % 4);
+    }
+    if (k == 0) mm_test_g32_extreme_scales(&x[1].w2);
+    refused += compare_layer(x, E, MM_WMODE_G32_FP8, "g32 spread");
+  }
+  printf("# %d of 8 wide-spread layers refused by both\n", refused);
+  CHECK(refused > 0 && refused < 8);
+  free_layer(x, E);
+  alloc_layer(x, E, H, I, 0);
+  for (int e = 0; e < E; e++) {
+    rand_g16(&x[e].w13, 1);
+    rand_g16(&x[e].w2, 1);
+    for (size_t i = 0; i < (size_t)H * (size_t)(I / 16); i++) {
+      const uint8_t b = (uint8_t)((i + 37 * (size_t)e) % 256);
+      x[e].w2.scales[i] = mm_e4m3_is_nan(b) ? 0x01 : b;
+    }
+  }
+  CHECK(!compare_layer(x, E, MM_WMODE_G16_FP8, "g16 every byte"));
+  CHECK(!compare_layer(x, E, MM_WMODE_G16_BF16_EXACT, "g16 every byte"));
+  free_layer(x, E);
+}
+
+/* NaN scales and matrices the packers refuse: the first failing matrix,
+ * in expert order, is named alike. */
+static void test_errors(void) {
+  const int E = 7, H = 256, I = 128;
+  mm_expert_q x[7];
+  alloc_layer(x, E, H, I, 0);
+  for (int e = 0; e < E; e++) {
+    rand_g16(&x[e].w13, 1);
+    rand_g16(&x[e].w2, 1);
+  }
+  x[5].w2.scales[1000] = 0x7F; /* a later chunk */
+  CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "NaN in expert 5"));
+  x[5].w13.scales[7] = 0xFF; /* an earlier matrix of that expert */
+  CHECK(compare_layer(x, E, MM_WMODE_G16_BF16_EXACT, "NaN in expert 5 w13"));
+  x[1].w2.scales[2047] = 0xFF;
+  CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "NaN in expert 1"));
+  x[0].w2.gran = 32; /* refused by the format check, before expert 1's NaN */
+  CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "gran of expert 0 w2"));
+  x[0].w2.gran = 16;
+  free_layer(x, E);
+  alloc_layer(x, E, H, I, 1);
+  for (int e = 0; e < E; e++) {
+    rand_g32(&x[e].w13, 10);
+    rand_g32(&x[e].w2, 10);
+  }
+  x[6].w13.scales[333] = 0xFF;
+  CHECK(compare_layer(x, E, MM_WMODE_G32_FP8, "UE8M0 NaN in expert 6"));
+  CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "gran 32 for mode 3"));
+  free_layer(x, E);
+}
+
+/* One GLM-5 EP8 layer: both packers' time (and their agreement). */
+static void test_glm_layer_time(void) {
+  const int E = 32, H = 6144, I = 2048;
+  mm_expert_q *x = calloc((size_t)E, sizeof *x);
+  for (int g = 1; g >= 0; g--) {
+    alloc_layer(x, E, H, I, g);
+    for (int e = 0; e < E; e++) {
+      if (g) {
+        rand_g32(&x[e].w13, 8);
+        rand_g32(&x[e].w2, 8);
+      } else {
+        rand_g16(&x[e].w13, 0);
+        rand_g16(&x[e].w2, 0);
+      }
+    }
+    const mm_weight_mode modes[2] = {g ? MM_WMODE_G32_FP8 : MM_WMODE_G16_BF16_EXACT,
+                                     g ? MM_WMODE_G32_F16_EXACT : MM_WMODE_G16_FP8};
+    for (int k = 0; k < 2; k++) {
+      pack_out w = run_pack(x, 2, modes[k], 1); /* warm-up: context, module load */
+      mm_error_free(w.err);
+      free(w.w), free(w.rs);
+      pack_out h = run_pack(x, E, modes[k], 0), d = run_pack(x, E, modes[k], 1);
+      CHECK(!h.err && !d.err);
+      const size_t bytes = (size_t)E * (mm_sm90_matrix_bytes(mm_sm90_record_mode(modes[k]), 2 * I, H) +
+                                        mm_sm90_matrix_bytes(mm_sm90_record_mode(modes[k]), H, I));
+      CHECK(memcmp(h.w, d.w, bytes) == 0);
+      printf("# GLM-5 EP8 layer, mode %d: host packer %.3f s (all cores), GPU packer %.3f s "
+             "(upload included)\n",
+             (int)modes[k], h.seconds, d.seconds);
+      mm_error_free(h.err);
+      mm_error_free(d.err);
+      free(h.w), free(h.rs), free(d.w), free(d.rs);
+    }
+    free_layer(x, E);
+  }
+  free(x);
+}
+
+int main(void) {
+  if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
+  mm_test_seed();
+  RUN(test_random_layers);
+  RUN(test_extremes);
+  RUN(test_errors);
+  if (!getenv("MEGAMOE_TEST_QUICK")) RUN(test_glm_layer_time);
+  return mm_test_done();
+}
