@@ -105,16 +105,25 @@ host_layer *host_layer_read(const mm_st_ckpt *ck, int cl, int first, int n) {
     return NULL;
   }
   l->loop_open = 1;
-  /* the pieces: found first, so that one array holds them all */
-  size_t npieces = 0;
-  for (int e = first; e < first + n; e++)
+  /* the layer's tensors, found once; then their pieces, counted first so
+   * that one array holds them all (a queued request must not move) */
+  struct found {
+    const mm_st_file *f;
+    const mm_st_tensor *t;
+    int e, p, s;
+  } *found = calloc(cap + 1, sizeof *found);
+  size_t nfound = 0, npieces = 0;
+  for (int e = first; found && e < first + n; e++)
     for (int p = 0; p < 3; p++)
       for (int s = 0; s < 4; s++) {
         char full[160];
         snprintf(full, sizeof full, "model.layers.%d.mlp.experts.%d.%s_proj.%s", cl, e, projs[p],
                  sufs[s]);
-        const mm_st_tensor *t = mm_st_ckpt_find(ck, full, NULL);
-        if (t && t->ndim <= 4) npieces += t->nbytes ? (size_t)((t->nbytes + kPiece - 1) / kPiece) : 1;
+        const mm_st_file *f;
+        const mm_st_tensor *t = mm_st_ckpt_find(ck, full, &f);
+        if (!t || t->ndim > 4) continue; /* the op names what is missing */
+        found[nfound++] = (struct found){f, t, e, p, s};
+        npieces += t->nbytes ? (size_t)((t->nbytes + kPiece - 1) / kPiece) : 1;
       }
   l->nt = calloc(cap + 1, sizeof *l->nt);
   l->dl = calloc(cap + 1, sizeof *l->dl);
@@ -123,37 +132,33 @@ host_layer *host_layer_read(const mm_st_ckpt *ck, int cl, int first, int n) {
   l->bufs = calloc(cap + 1, sizeof *l->bufs);
   l->pieces = calloc(npieces + 1, sizeof *l->pieces);
   l->cap_pieces = npieces;
-  int oom = !l->nt || !l->dl || !l->shapes || !l->names || !l->bufs || !l->pieces;
-  for (int e = first; e < first + n && !oom; e++)
-    for (int p = 0; p < 3 && !oom; p++)
-      for (int s = 0; s < 4 && !oom; s++) {
-        char full[160];
-        snprintf(full, sizeof full, "model.layers.%d.mlp.experts.%d.%s_proj.%s", cl, e, projs[p],
-                 sufs[s]);
-        const mm_st_file *f;
-        const mm_st_tensor *t = mm_st_ckpt_find(ck, full, &f);
-        if (!t || t->ndim > 4) continue; /* the op names what is missing */
-        const size_t i = l->count;
-        l->bufs[i] = malloc(t->nbytes ? t->nbytes : 1);
-        if (!l->bufs[i] || queue_tensor(l, f, t, i)) {
-          fprintf(stderr, "megamoe-host: out of host memory reading %s\n", full);
-          oom = 1;
-          break;
-        }
-        l->bytes += (double)t->nbytes;
-        snprintf(l->names[i], sizeof l->names[i], "experts.%d.%s_proj.%s", e, projs[p], sufs[s]);
-        for (int d = 0; d < t->ndim; d++) l->shapes[i][d] = t->shape[d];
-        l->dl[i].data = l->bufs[i];
-        l->dl[i].device.device_type = kDLCPU;
-        l->dl[i].ndim = t->ndim;
-        l->dl[i].dtype = dl_type(t->dtype);
-        l->dl[i].shape = l->shapes[i];
-        l->nt[i].name = l->names[i];
-        l->nt[i].tensor = &l->dl[i];
-        l->count++;
-      }
+  const int no_lists = !found || !l->nt || !l->dl || !l->shapes || !l->names || !l->bufs || !l->pieces;
+  int oom = no_lists;
+  for (size_t k = 0; k < nfound && !oom; k++) {
+    const mm_st_tensor *t = found[k].t;
+    const int e = found[k].e, p = found[k].p, s = found[k].s;
+    const size_t i = l->count;
+    l->bufs[i] = malloc(t->nbytes ? t->nbytes : 1);
+    snprintf(l->names[i], sizeof l->names[i], "experts.%d.%s_proj.%s", e, projs[p], sufs[s]);
+    if (!l->bufs[i] || queue_tensor(l, found[k].f, t, i)) {
+      fprintf(stderr, "megamoe-host: out of host memory reading layer %d %s\n", cl, l->names[i]);
+      oom = 1;
+      break;
+    }
+    l->bytes += (double)t->nbytes;
+    for (int d = 0; d < t->ndim; d++) l->shapes[i][d] = t->shape[d];
+    l->dl[i].data = l->bufs[i];
+    l->dl[i].device.device_type = kDLCPU;
+    l->dl[i].ndim = t->ndim;
+    l->dl[i].dtype = dl_type(t->dtype);
+    l->dl[i].shape = l->shapes[i];
+    l->nt[i].name = l->names[i];
+    l->nt[i].tensor = &l->dl[i];
+    l->count++;
+  }
+  free(found);
   if (oom) {
-    if (!l->pieces) fprintf(stderr, "megamoe-host: out of host memory reading layer %d\n", cl);
+    if (no_lists) fprintf(stderr, "megamoe-host: out of host memory reading layer %d\n", cl);
     host_layer_free(l);
     return NULL;
   }
