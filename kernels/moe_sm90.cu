@@ -7,6 +7,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "moe_sm90_impl.h"
 /* after the impl header: it includes the C headers inside extern "C" */
@@ -71,11 +72,12 @@ static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
   return ce;
 }
 
-/* MEGAMOE_SM90_HOST_PACK=1 packs on the host's cores (layout_sm90_pack.c)
- * instead of the GPU: the same bytes, for comparisons (docs/CONFIG.md). */
+/* Where a layer is packed: MEGAMOE_SM90_PACK=host on the host's cores
+ * (layout_sm90_pack.c), =gpu or unset on the GPU (pack_sm90.cu). Both write
+ * the same bytes; the choice is for comparisons (docs/CONFIG.md). */
 static int host_pack_chosen(void) {
-  const char *v = getenv("MEGAMOE_SM90_HOST_PACK");
-  return v && v[0] == '1' && !v[1];
+  const char *v = getenv("MEGAMOE_SM90_PACK");
+  return v && !strcasecmp(v, "host");
 }
 
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,

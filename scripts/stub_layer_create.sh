@@ -14,4 +14,4 @@ gcc -O1 -std=c11 -D_GNU_SOURCE -include "$b/mm_build_config.h" -I"$src/plugin" -
   "$b/kernels/.libs/libmegamoe_kernels.a" "$b/plugin/.libs/libmegamoe_common.a" \
   -Wl,--allow-multiple-definition -L"$cuda/lib64" -lcudart_static -lrt -ldl -lpthread -lstdc++ \
   $(pkg-config --libs libuv yaml-0.1) -lm -o "$out/stub_check"
-MEGAMOE_SM90_HOST_PACK=1 "$out/stub_check"  # the host packing path
+MEGAMOE_SM90_PACK=host "$out/stub_check"  # the host packing path
