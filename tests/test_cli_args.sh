@@ -3,23 +3,12 @@
 # message naming the option, instead of clamping it, ignoring it or running
 # something other than what was asked; and megamoe-host checks a nonempty
 # batch even when the first --tokens size is 0.
-b=${MEGAMOE_BUILDDIR:-.}
-s=${MEGAMOE_SRCDIR:-..}
+. "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
 host=$b/host/megamoe-host
 prep=$b/host/megamoe-prep
 synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
-echo "1..6"
-for f in "$host" "$prep" "$synth" "$plugin"; do
-  [ -e "$f" ] || { echo "Bail out! $f is not built"; exit 1; }
-done
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-n=0
-check() { # description, condition status
-  n=$((n + 1))
-  if [ "$2" = 0 ]; then echo "ok $n - $1"; else echo "not ok $n - $1"; fi
-}
+tap_start 6 "$host" "$prep" "$synth" "$plugin"
 # refused PATTERN CMD...: exit code 2 and PATTERN on stderr
 refused() {
   pat=$1

@@ -3,28 +3,16 @@
 # (a broken and a foreign lib*_plugin.so are reported and skipped, a second
 # copy of the op is refused), MEGAMOE_PLUGIN_PATH, and --validate with its
 # FILE:LINE:COL errors.
-b=${MEGAMOE_BUILDDIR:-.}
-s=${MEGAMOE_SRCDIR:-..}
+. "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
 host=$b/host/megamoe-host
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
-echo "1..5"
-if [ ! -x "$host" ] || [ ! -f "$plugin" ]; then
-  echo "Bail out! megamoe-host or the plugin is not built"
-  exit 1
-fi
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
+tap_start 5 "$host" "$plugin"
 mkdir "$dir/plugins"
 cp "$plugin" "$dir/plugins/libmegamoe_plugin.so"
 cp "$plugin" "$dir/plugins/libmegamoe2_plugin.so"
 echo "not an ELF file" >"$dir/plugins/libbroken_plugin.so"
 foreign=$(ldd "$host" | awk '/libuv|libyaml/ {print $3; exit}')
 [ -n "$foreign" ] && cp "$foreign" "$dir/plugins/libforeign_plugin.so"
-n=0
-check() { # description, condition status
-  n=$((n + 1))
-  if [ "$2" = 0 ]; then echo "ok $n - $1"; else echo "not ok $n - $1"; fi
-}
 
 "$host" --plugin-dir "$dir/plugins" --list >"$dir/out" 2>"$dir/err"
 rc=$?

@@ -3,22 +3,12 @@
 # config key log-level filters each op's messages, MEGAMOE_LOG_LEVEL
 # overrides it, and misspelt or out-of-range MEGAMOE_* environment
 # variables are reported at init (plugin/env_knobs.c).
-b=${MEGAMOE_BUILDDIR:-.}
-s=${MEGAMOE_SRCDIR:-..}
+. "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
 host=$b/host/megamoe-host
 synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
-echo "1..4"
-for f in "$host" "$synth" "$plugin"; do
-  [ -e "$f" ] || { echo "Bail out! $f is not built"; exit 1; }
-done
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-n=0
-check() { # description, condition status
-  n=$((n + 1))
-  if [ "$2" = 0 ]; then echo "ok $n - $1"; else echo "not ok $n - $1"; sed 's/^/# /' "$dir/err" | head -20; fi
-}
+tap_start 4 "$host" "$synth" "$plugin"
+tap_show=$dir/err
 "$synth" --out "$dir/ck" --layers 1 --hidden 256 --intermediate 256 --experts 16 --quiet \
   >"$dir/err" 2>&1 || { sed 's/^/# /' "$dir/err"; echo "Bail out! megamoe-synth failed"; exit 1; }
 run() { # extra megamoe-host arguments; its stderr in $dir/err, exit code returned
