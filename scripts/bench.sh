@@ -77,7 +77,7 @@ if [ "${BENCH_PROBE:-1}" != 0 ] && [ -x "$b" ]; then
 fi
 
 ## Weight preparation on the GPU and the CPU load path
-for b in "$build/bench/bench_prep" "$build/bench/bench_load"; do
+for b in "$build/bench/bench_prep" "$build/bench/bench_pack_sm90" "$build/bench/bench_load"; do
   if [ -x "$b" ]; then echo "## $(basename "$b")"; "$b"; fi
 done
 
