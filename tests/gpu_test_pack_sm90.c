@@ -62,7 +62,8 @@ static pack_out run_pack(mm_expert_q *x, int E, mm_weight_mode mode, int gpu) {
   return o;
 }
 
-static int close_rel(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(a) + 1e-300; }
+/* sums of up to 25M positive terms in another order: a few ulps per term at worst */
+static int close_rel(double a, double b) { return fabs(a - b) <= 1e-8 * fabs(a) + 1e-300; }
 
 /* Host and GPU packing of one layer; returns 1 if both failed alike. */
 static int compare_layer(mm_expert_q *x, int E, mm_weight_mode mode, const char *what) {
@@ -149,7 +150,7 @@ static void test_extremes(void) {
       rand_g32(&x[e].w13, 14 + (k + e) % 4);
       rand_g32(&x[e].w2, 14 + (k * e) % 4);
     }
-    if (k == 0) mm_test_g32_extreme_scales(&x[1].w2);
+    if (k == 0) mm_test_g32_extreme_scales(&x[1].w13); /* its first 64 rows: [64, 256] */
     refused += compare_layer(x, E, MM_WMODE_G32_FP8, "g32 spread");
   }
   printf("# %d of 8 wide-spread layers refused by both\n", refused);
