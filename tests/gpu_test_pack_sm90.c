@@ -146,15 +146,15 @@ static void test_extremes(void) {
   alloc_layer(x, E, H, I, 1);
   int refused = 0;
   for (int k = 0; k < 8; k++) {
-    for (int e = 0; e < E; e++) {
-      rand_g32(&x[e].w13, 14 + (k + e) % 4);
-      rand_g32(&x[e].w2, 14 + (k * e) % 4);
+    for (int e = 0; e < E; e++) { /* within 14: always foldable; 16, 17: often not */
+      rand_g32(&x[e].w13, k % 2 ? 16 : 14);
+      rand_g32(&x[e].w2, k % 2 ? 17 : 13);
     }
     if (k == 0) mm_test_g32_extreme_scales(&x[1].w13); /* its first 64 rows: [64, 256] */
     refused += compare_layer(x, E, MM_WMODE_G32_FP8, "g32 spread");
   }
-  printf("# %d of 8 wide-spread layers refused by both\n", refused);
-  CHECK(refused > 0 && refused < 8);
+  printf("# %d of the 4 wide-spread layers refused by both\n", refused);
+  CHECK(refused > 0 && refused <= 4);
   free_layer(x, E);
   alloc_layer(x, E, H, I, 0);
   for (int e = 0; e < E; e++) {
