@@ -663,6 +663,11 @@ struct Kern {
    * their tiles: the small experts of skewed loads, at 60-88 rows per
    * expert 4-11% faster, zipf loads 2-6% (version 38). */
   static constexpr int kNarrow = !kMixed ? 48 : kBig == 32 ? 24 : kMid == 48 ? 56 : 40;
+  /* The FP8 modes' 32-wide kernels (one CTA per SM, double-buffered loop):
+   * a small tile of at most 24 rows issues m64n24 MMAs (the small experts of
+   * skewed and zipf loads at 21-49 rows per expert: 7-24 rows, which fill
+   * half of a 32-wide tile; scripts/padding_by_count.py). 0: none. */
+  static constexpr int kNarrowSmall = ONE && BS == 32 && kMixed && (MODE == 1 || MODE == 3) ? 24 : 0;
   static constexpr int kBNMax = kMixed ? kBig : BS;
   using S = Smem<MODE, GEMM, kBNMax, CPS, kMixed>;
   using CM = Cfg<MODE, kBNMax>; /* stage strides */
@@ -1149,14 +1154,16 @@ struct Kern {
    * routed and skewed loads equal or 1-2% faster (version 14); two sets: mode
    * 1 another 2% at M = 768-1024 even, mode 3 equal (version 30). The mixed
    * kernels' 64-wide tiles keep the chunked loop (version 11 measured them
-   * 5-6% slower double-buffered). */
-  template <int BN>
+   * 5-6% slower double-buffered). NW: the MMAs' width, BN or less
+   * (kNarrowSmall for a 32-wide tile of few rows), as in k_loop_chunked. */
+  template <int BN, int NW = BN>
   static __device__ __forceinline__ void k_loop_db(const Params &p, uint8_t *sm, const Unit &un,
                                                    int c, int &stage, uint32_t &phase,
                                                    float (&fin)[TPW][BN / 2],
                                                    float (&acc)[TPW][BN / 2]) {
     using C = Cfg<MODE, BN>;
-    constexpr int NC = BN / 4;
+    static_assert(NW % 8 == 0 && NW <= BN, "an MMA width of the tile");
+    constexpr int NC = NW / 4; /* token columns per thread in the MMAs */
     uint64_t *full = (uint64_t *)(sm + S::kOffBar), *empty = full + S::kStages;
     const FragPlace at = frag_place();
     const int tid = at.tid, q = at.q, r0 = at.r0;
@@ -1164,7 +1171,7 @@ struct Kern {
     const int KB = p.K / 128;
     uint32_t a[2][4][TPW][2][4]; /* [buffer][chunk][tile][step][register]; step 0 only */
     float sx[2][NC], sw[2][TPW][2];
-    float acc2[TPW][BN / 2]; /* the second accumulator set (odd blocks) */
+    float acc2[TPW][NW / 2]; /* the second accumulator set (odd blocks) */
     /* block at stage st into buffer b: token scales, references, A registers */
     auto fetch = [&](int st, int b) {
       const uint8_t *sA = sm + S::kOffA + st * CM::kA + (TPW * c) * C::kRec;
@@ -1191,19 +1198,24 @@ struct Kern {
           }
       }
     };
-    /* buffer b's MMAs on the token tile of stage st into d */
-    auto issue = [&](int st, int b, float (&d)[TPW][BN / 2]) {
+    /* buffer b's MMAs on the token tile of stage st into d (acc's first NW
+     * columns, or acc2) */
+    auto issue = [&](int st, int b, auto &d) {
       const uint64_t dB0 = desc_b(smem_u32(sm + S::kOffB + st * CM::kB));
 #pragma unroll
-      for (int j = 0; j < TPW; j++) fence_acc(d[j]);
+      for (int j = 0; j < TPW; j++) fence_acc(head<NW / 2>(d[j]));
       wg_fence();
 #pragma unroll
       for (int ch = 0; ch < 4; ch++)
 #pragma unroll
         for (int j = 0; j < TPW; j++)
-          mma<true, BN>(d[j], a[b][ch][j][0][0], a[b][ch][j][0][1], a[b][ch][j][0][2],
-                        a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
+          mma<true, NW>(head<NW / 2>(d[j]), a[b][ch][j][0][0], a[b][ch][j][0][1],
+                        a[b][ch][j][0][2], a[b][ch][j][0][3], dB0 + (uint64_t)(ch * 2), ch > 0);
       wg_commit();
+    };
+    /* tile j's promotion of the accumulators d with buffer b's scales */
+    auto promote = [&](int j, auto &d, int b) {
+      promote_tile(head<NW / 2>(fin[j]), head<NW / 2>(d[j]), sx[b], sw[b][j]);
     };
     mbar_wait(&full[stage], phase);
     fetch(stage, 0);
@@ -1219,10 +1231,10 @@ struct Kern {
         issue(st1, 1, acc2);
         wg_wait<1>();
 #pragma unroll
-        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        for (int j = 0; j < TPW; j++) fence_acc(head<NW / 2>(acc[j]));
         release_stage(empty, stage, phase); /* block kb's; to st1 */
 #pragma unroll
-        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[0], sw[0][j]);
+        for (int j = 0; j < TPW; j++) promote(j, acc, 0);
         int st2 = st1;
         uint32_t ph2 = ph1;
         advance(st2, ph2);
@@ -1235,14 +1247,14 @@ struct Kern {
         for (int j = 0; j < TPW; j++) fence_acc(acc2[j]);
         release_stage(empty, stage, phase); /* block kb + 1's; to st2 */
 #pragma unroll
-        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc2[j], sx[1], sw[1][j]);
+        for (int j = 0; j < TPW; j++) promote(j, acc2, 1);
       } else {
         wg_wait<0>();
 #pragma unroll
-        for (int j = 0; j < TPW; j++) fence_acc(acc[j]);
+        for (int j = 0; j < TPW; j++) fence_acc(head<NW / 2>(acc[j]));
         release_stage(empty, stage, phase);
 #pragma unroll
-        for (int j = 0; j < TPW; j++) promote_tile(fin[j], acc[j], sx[0], sw[0][j]);
+        for (int j = 0; j < TPW; j++) promote(j, acc, 0);
       }
     }
   }
@@ -1478,7 +1490,12 @@ struct Kern {
       } else if constexpr (BN >= 128) {
         k_loop_ahead<BN>(p, sm, un, c, stage, phase, fin[0], acc[0]);
       } else if constexpr (kDoubleBuffer && BN <= 32) {
-        k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);
+        /* the 32-wide kernels' small tiles of at most kNarrowSmall rows:
+         * narrow MMAs, as kNarrow for the large tiles */
+        if (kNarrowSmall && BN == BS && un.valid <= kNarrowSmall)
+          k_loop_db<BN, kNarrowSmall ? kNarrowSmall : BN>(p, sm, un, c, stage, phase, fin, acc);
+        else
+          k_loop_db<BN>(p, sm, un, c, stage, phase, fin, acc);
       } else if constexpr (BN == kBNMax && (kMixed || BN == 64)) {
         /* a mixed kernel's large tile or a 64-wide kernel's tile, whose rows
          * need kNarrow columns or fewer */
