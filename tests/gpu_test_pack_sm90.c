@@ -32,7 +32,8 @@ static pack_out run_pack(mm_expert_q *x, int E, mm_weight_mode mode, int gpu) {
   const mm_weight_mode rm = mm_sm90_record_mode(mode);
   const size_t bytes = (size_t)E * (mm_sm90_matrix_bytes(rm, 2 * I, H) + mm_sm90_matrix_bytes(rm, H, I));
   const size_t nrs = (size_t)E * (size_t)(2 * I + H);
-  pack_out o = {NULL, malloc(bytes), malloc(sizeof(float) * nrs), {0.0, 0.0}};
+  /* the sums are added to what the caller holds */
+  pack_out o = {NULL, malloc(bytes), malloc(sizeof(float) * nrs), {1.5, 2.5}};
   memset(o.w, gpu ? 0xA5 : 0x5A, bytes);
   memset(o.rs, gpu ? 0x22 : 0x11, sizeof(float) * nrs);
   if (!gpu) {
@@ -186,9 +187,19 @@ static void test_errors(void) {
   CHECK(compare_layer(x, E, MM_WMODE_G16_BF16_EXACT, "NaN in expert 5 w13"));
   x[1].w2.scales[2047] = 0xFF;
   CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "NaN in expert 1"));
+  x[6].w2.gran = 32; /* a later format refusal: expert 1's NaN comes first */
+  CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "NaN in expert 1, gran of expert 6 w2"));
   x[0].w2.gran = 32; /* refused by the format check, before expert 1's NaN */
   CHECK(compare_layer(x, E, MM_WMODE_G16_FP8, "gran of expert 0 w2"));
   x[0].w2.gran = 16;
+  x[6].w2.gran = 16;
+  for (int e = 0; e < E; e++) { /* no NaN left: a format refusal in the last upload only */
+    rand_g16(&x[e].w13, 1);
+    rand_g16(&x[e].w2, 1);
+  }
+  x[5].w2.gran = 32;
+  CHECK(compare_layer(x, E, MM_WMODE_G16_BF16_EXACT, "gran of expert 5 w2"));
+  x[5].w2.gran = 16;
   free_layer(x, E);
   alloc_layer(x, E, H, I, 1);
   for (int e = 0; e < E; e++) {
