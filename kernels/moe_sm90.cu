@@ -72,12 +72,20 @@ static cudaError_t refs_zero(mm_sm90_layer *L, cudaStream_t st) {
   return ce;
 }
 
-/* Where a layer is packed: MEGAMOE_SM90_PACK=host on the host's cores
- * (layout_sm90_pack.c), =gpu or unset on the GPU (pack_sm90.cu). Both write
- * the same bytes; the choice is for comparisons (docs/CONFIG.md). */
-static int host_pack_chosen(void) {
+/* Where a layer is packed: on the host's cores (layout_sm90_pack.c) or on
+ * the GPU (pack_sm90.cu); both write the same bytes. MEGAMOE_SM90_PACK=
+ * host|gpu forces one (docs/CONFIG.md). By default (auto) the FP8 modes
+ * pack on the GPU, where the fold checks that cost the host most take
+ * milliseconds (one GLM-5 EP8 layer on the H200 with 16 host cores: mode 3
+ * 116 ms against 1181, mode 1 92 against 148), and mode 2 on the host: its
+ * packing is a reorder that the host overlaps with pinned uploads, while
+ * the GPU packer's pageable upload alone takes 78 ms (host 69 ms, GPU 93;
+ * docs/PERF.md, "GPU packing"). */
+static int host_pack_chosen(mm_weight_mode mode) {
   const char *v = getenv("MEGAMOE_SM90_PACK");
-  return v && !strcasecmp(v, "host");
+  if (v && !strcasecmp(v, "host")) return 1;
+  if (v && !strcasecmp(v, "gpu")) return 0;
+  return mm_sm90_record_mode(mode) == MM_WMODE_G16_BF16_EXACT;
 }
 
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
@@ -135,7 +143,7 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
       goto fail;
     }
   }
-  if (!host_pack_chosen()) {
+  if (!host_pack_chosen(mode)) {
     /* The canonical matrices go up a few experts at a time and the GPU
      * packs them (pack_sm90.cu): same bytes as the host packer. */
     err = mm_sm90_pack_experts_gpu(experts, num_local, 0, mode, L->d_w, L->d_rs13, L->d_rs2,

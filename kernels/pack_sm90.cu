@@ -14,7 +14,6 @@
 extern "C" {
 #include "layout_sm90_pack.h"
 #include "pack_sm90.h"
-#include "parallel.h"
 }
 
 namespace {
@@ -107,11 +106,10 @@ __global__ void __launch_bounds__(64) record_kernel(const mm_sm90_pack_tables *T
 
 size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* The device scratch of one matrix slot: its sources (codes, scales, row
- * factors; the first src_bytes, uploaded) and its per-row and per-record
- * arrays, at 256-byte aligned offsets. */
+/* The scratch of one matrix slot: the source copy and the per-row and
+ * per-record arrays, at 256-byte aligned offsets. */
 struct SlotPlan {
-  size_t codes, scales, row_scale, src_bytes, nz, stops, anchor, fault, fold, bytes;
+  size_t codes, scales, row_scale, nz, stops, anchor, fault, fold, bytes;
 };
 SlotPlan slot_plan(const mm_qmat *m) {
   const size_t rows = (size_t)m->rows, recs = rows / 64 * (size_t)(m->cols / 128);
@@ -123,7 +121,6 @@ SlotPlan slot_plan(const mm_qmat *m) {
   off += align256(rows * (size_t)(m->cols / m->gran));
   p.row_scale = off;
   off += align256(sizeof(float) * rows);
-  p.src_bytes = off;
   p.nz = off;
   off += align256(rows * (size_t)(m->cols / 32));
   p.stops = off;
@@ -153,39 +150,12 @@ mm_err *cuda_err(cudaError_t ce, const char *what) {
     }                                                  \
   } while (0)
 
-/* experts per upload; two uploads' sources are staged in pinned memory
- * (about 21 MB per GLM-5 expert) */
-const int kChunk = 2;
-
-/* The host-side copies into the pinned staging, cut into pieces of at most
- * 4 MB and spread over the host's cores. */
-struct Copy {
-  uint8_t *dst;
-  const uint8_t *src;
-  size_t n;
-};
-struct CopyList {
-  Copy *c;
-  size_t n, cap;
-};
-int copy_add(CopyList *l, uint8_t *dst, const void *src, size_t n) {
-  const size_t kPiece = 4u << 20;
-  for (size_t off = 0; off < n; off += kPiece) {
-    if (l->n == l->cap) {
-      const size_t cap = l->cap ? 2 * l->cap : 64;
-      Copy *c = (Copy *)realloc(l->c, sizeof(Copy) * cap);
-      if (!c) return -1;
-      l->c = c;
-      l->cap = cap;
-    }
-    l->c[l->n++] = {dst + off, (const uint8_t *)src + off, n - off < kPiece ? n - off : kPiece};
-  }
-  return 0;
-}
-void copy_item(void *ctx, size_t i) {
-  const Copy *c = &((const CopyList *)ctx)->c[i];
-  memcpy(c->dst, c->src, c->n);
-}
+/* experts per upload: bounds the scratch (about 23 MB per GLM-5 expert).
+ * The uploads are from pageable memory (9 GB/s on the H200 host): staging
+ * two experts at a time in pinned memory (55 GB/s) on the host's cores,
+ * with its allocation per call, measured slower (bench_pack_sm90: 154-167
+ * ms a GLM-5 layer against 92-116; docs/PERF.md "GPU packing"). */
+const int kChunk = 4;
 
 } // namespace
 
@@ -215,17 +185,14 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
   const size_t b13 = mm_sm90_matrix_bytes(rmode, w13->rows, w13->cols);
   const size_t b2 = mm_sm90_matrix_bytes(rmode, w2->rows, w2->cols);
   const int chunk = count < kChunk ? count : kChunk;
-  const int nchunks = (n_ok + 2 * chunk - 1) / (2 * chunk);
   mm_err *err = NULL;
   mm_sm90_pack_tables *T = NULL, *d_T = NULL;
-  PackMat *d_mats = NULL, *h_mats = NULL;     /* [2][2 chunk] on the device; [chunks][2 chunk] pinned */
-  uint8_t *scratch = NULL, *stage = NULL;     /* [2][chunk slots] device; [2][chunk sources] pinned */
-  mm_sm90p_fault *faults = NULL;              /* pinned, every record of the packed matrices */
-  double *folds = NULL;                       /* pinned, mode 3: two per record */
-  cudaEvent_t staged[2] = {NULL, NULL};       /* stage b's last upload has read it */
-  CopyList copies = {NULL, 0, 0};
+  PackMat *d_mats = NULL;
+  uint8_t *scratch = NULL;
+  mm_sm90p_fault *faults = NULL;
+  double *folds = NULL;
   SlotPlan p13 = {}, p2 = {};
-  size_t recs13 = 0, recs2 = 0, slots_bytes = 0, srcs_bytes = 0, recs_all = 0;
+  size_t recs13 = 0, recs2 = 0;
   int failed = -1;
   /* the fold sums, added matrix by matrix as the host packer adds them */
   double fold[2] = {fold_err ? fold_err[0] : 0.0, fold_err ? fold_err[1] : 0.0};
@@ -237,12 +204,11 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
     p2 = slot_plan(w2);
     recs2 = (size_t)(w2->rows / 64) * (size_t)(w2->cols / 128);
   }
-  slots_bytes = (p13.bytes + p2.bytes) * (size_t)chunk;
-  srcs_bytes = (p13.src_bytes + p2.src_bytes) * (size_t)chunk;
-  recs_all = recs13 * (size_t)((n_ok + 1) / 2) + recs2 * (size_t)(n_ok / 2);
   (void)cudaGetLastError(); /* a launch error below is ours */
   T = (mm_sm90_pack_tables *)malloc(sizeof *T);
-  if (!T) {
+  faults = (mm_sm90p_fault *)malloc(sizeof(mm_sm90p_fault) * (recs13 + recs2) * (size_t)chunk);
+  folds = (double *)malloc(2 * sizeof(double) * (recs13 + recs2) * (size_t)chunk);
+  if (!T || !faults || !folds) {
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 GPU pack: out of host memory");
     goto done;
   }
@@ -250,40 +216,18 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
     err = mm_error(MEGAMOE_CODE_INTERNAL, "sm90 layout: code slots are not byte-aligned words");
     goto done;
   }
-  CU(cudaMallocHost((void **)&stage, 2 * srcs_bytes), "pinned staging");
-  CU(cudaMallocHost((void **)&h_mats, sizeof(PackMat) * 2 * (size_t)chunk * (size_t)nchunks),
-     "pinned matrix lists");
-  CU(cudaMallocHost((void **)&faults, sizeof(mm_sm90p_fault) * recs_all), "pinned fault slots");
-  if (rmode == MM_WMODE_G16_FP8)
-    CU(cudaMallocHost((void **)&folds, 2 * sizeof(double) * recs_all), "pinned fold sums");
   CU(cudaMalloc((void **)&d_T, sizeof *T), "tables");
-  CU(cudaMalloc((void **)&d_mats, sizeof(PackMat) * 4 * (size_t)chunk), "matrix lists");
-  CU(cudaMalloc((void **)&scratch, 2 * slots_bytes), "scratch");
-  for (int b = 0; b < 2; b++) CU(cudaEventCreateWithFlags(&staged[b], cudaEventDisableTiming), "event");
+  CU(cudaMalloc((void **)&d_mats, sizeof(PackMat) * 2 * (size_t)chunk), "matrix list");
+  CU(cudaMalloc((void **)&scratch, (p13.bytes + p2.bytes) * (size_t)chunk), "scratch");
   CU(cudaMemcpyAsync(d_T, T, sizeof *T, cudaMemcpyHostToDevice, st), "tables upload");
-  /* Chunk c: its sources are copied into stage c % 2 on the host's cores
-   * (once that stage's previous upload has read it) while the GPU uploads
-   * and packs chunk c - 1; the fault slots and fold sums come back into
-   * pinned memory; one wait at the end. */
-  for (int c = 0, rec_at = 0; c < nchunks; c++) {
-    const int b = c & 1, e0 = c * chunk;
-    PackMat *mats = h_mats + (size_t)c * 2 * (size_t)chunk;
-    uint8_t *sbase = stage + (size_t)b * srcs_bytes, *dbase = scratch + (size_t)b * slots_bytes;
-    CU(cudaEventSynchronize(staged[b]), "staging"); /* at once if never recorded */
-    copies.n = 0;
+  for (int e0 = 0; e0 < count && 2 * e0 < n_ok && !err; e0 += chunk) {
+    PackMat mats[2 * kChunk];
     int n = 0, rows = 0, recs = 0;
     for (int i = 2 * e0; i < 2 * (e0 + chunk) && i < n_ok; i++, n++) {
       const int e = i / 2, w = i % 2;
       const mm_qmat *m = w ? &experts[e].w2 : &experts[e].w13;
       const SlotPlan &sp = w ? p2 : p13;
-      uint8_t *sslot = sbase + (size_t)(e - e0) * (p13.src_bytes + p2.src_bytes) + (w ? p13.src_bytes : 0);
-      uint8_t *base = dbase + (size_t)(e - e0) * (p13.bytes + p2.bytes) + (w ? p13.bytes : 0);
-      if (copy_add(&copies, sslot + sp.codes, m->codes, (size_t)m->rows * (size_t)m->cols / 2) ||
-          copy_add(&copies, sslot + sp.scales, m->scales, (size_t)m->rows * (size_t)(m->cols / m->gran)) ||
-          copy_add(&copies, sslot + sp.row_scale, m->row_scale, sizeof(float) * (size_t)m->rows)) {
-        err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 GPU pack: out of host memory");
-        goto done;
-      }
+      uint8_t *base = scratch + (size_t)(e - e0) * (p13.bytes + p2.bytes) + (w ? p13.bytes : 0);
       PackMat &M = mats[n];
       M.m = *m;
       M.m.codes = base + sp.codes;
@@ -301,54 +245,56 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       M.rec0 = recs;
       rows += m->rows;
       recs += (m->rows / 64) * (m->cols / 128);
+      /* pageable sources: each copy returns once its bytes are staged */
+      CU(cudaMemcpyAsync(M.m.codes, m->codes, (size_t)m->rows * (size_t)m->cols / 2,
+                         cudaMemcpyHostToDevice, st), "upload of codes");
+      CU(cudaMemcpyAsync(M.m.scales, m->scales, (size_t)m->rows * (size_t)(m->cols / m->gran),
+                         cudaMemcpyHostToDevice, st), "upload of scales");
+      CU(cudaMemcpyAsync(M.m.row_scale, m->row_scale, sizeof(float) * (size_t)m->rows,
+                         cudaMemcpyHostToDevice, st), "upload of row factors");
     }
-    mm_parallel_items(copies.n, 0, copy_item, &copies);
-    for (int k = 0; k < n; k++) {
-      const int w = (2 * e0 + k) % 2;
-      const size_t off = (size_t)(k / 2) * (p13.src_bytes + p2.src_bytes) + (w ? p13.src_bytes : 0);
-      CU(cudaMemcpyAsync(mats[k].m.codes, sbase + off, w ? p2.src_bytes : p13.src_bytes,
-                         cudaMemcpyHostToDevice, st), "upload");
-    }
-    CU(cudaEventRecord(staged[b], st), "staging event");
-    PackMat *dm = d_mats + (size_t)b * 2 * (size_t)chunk;
-    CU(cudaMemcpyAsync(dm, mats, sizeof(PackMat) * (size_t)n, cudaMemcpyHostToDevice, st),
+    CU(cudaMemcpyAsync(d_mats, mats, sizeof(PackMat) * (size_t)n, cudaMemcpyHostToDevice, st),
        "matrix list upload");
     if (rmode != MM_WMODE_G16_BF16_EXACT)
-      row_anchor_kernel<<<(unsigned)((rows + 127) / 128), 128, 0, st>>>(d_T, dm, n, rows);
-    record_kernel<<<(unsigned)recs, 64, 0, st>>>(d_T, dm, n);
+      row_anchor_kernel<<<(unsigned)((rows + 127) / 128), 128, 0, st>>>(d_T, d_mats, n, rows);
+    record_kernel<<<(unsigned)recs, 64, 0, st>>>(d_T, d_mats, n);
     CU(cudaGetLastError(), "kernel launch");
-    for (int k = 0; k < n; k++) { /* every record's fault slot (and fold sums), in matrix order */
+    /* every record's fault slot and fold sums, in matrix order */
+    size_t at = 0;
+    for (int k = 0; k < n; k++) {
       const size_t nr = (size_t)(mats[k].m.rows / 64) * (size_t)(mats[k].m.cols / 128);
-      CU(cudaMemcpyAsync(faults + rec_at, mats[k].fault, sizeof(mm_sm90p_fault) * nr,
+      CU(cudaMemcpyAsync(faults + at, mats[k].fault, sizeof(mm_sm90p_fault) * nr,
                          cudaMemcpyDeviceToHost, st), "fault read-back");
-      if (folds)
-        CU(cudaMemcpyAsync(folds + 2 * (size_t)rec_at, mats[k].fold, 2 * sizeof(double) * nr,
+      if (rmode == MM_WMODE_G16_FP8)
+        CU(cudaMemcpyAsync(folds + 2 * at, mats[k].fold, 2 * sizeof(double) * nr,
                            cudaMemcpyDeviceToHost, st), "fold read-back");
-      rec_at += (int)nr;
+      at += nr;
     }
-  }
-  CU(cudaStreamSynchronize(st), "packing");
-  /* the first fault in the host packer's order: matrix, then record */
-  for (int i = 0, at = 0; i < n_ok && !err; i++) {
-    const size_t nr = i % 2 ? recs2 : recs13;
-    double e2 = 0.0, r2 = 0.0;
-    for (size_t q = 0; q < nr; q++) {
-      const mm_sm90p_fault *f = &faults[(size_t)at + q];
-      if (f->kind != MM_SM90P_FAULT_NONE) {
-        char msg[256];
-        mm_sm90p_fault_message(f, msg);
-        err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: %s", msg);
-        failed = i;
-        break;
+    CU(cudaStreamSynchronize(st), "packing");
+    at = 0;
+    for (int k = 0; k < n && !err; k++) {
+      const size_t nr = (size_t)(mats[k].m.rows / 64) * (size_t)(mats[k].m.cols / 128);
+      double e2 = 0.0, r2 = 0.0;
+      for (size_t q = 0; q < nr; q++) {
+        const mm_sm90p_fault *f = &faults[at + q];
+        if (f->kind != MM_SM90P_FAULT_NONE) {
+          char msg[256];
+          mm_sm90p_fault_message(f, msg);
+          err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layout: %s", msg);
+          failed = 2 * e0 + k;
+          break;
+        }
+        if (rmode == MM_WMODE_G16_FP8) {
+          e2 += folds[2 * (at + q)];
+          r2 += folds[2 * (at + q) + 1];
+        }
       }
-      if (folds) {
-        e2 += folds[2 * ((size_t)at + q)];
-        r2 += folds[2 * ((size_t)at + q) + 1];
+      if (!err) {
+        fold[0] += e2;
+        fold[1] += r2;
       }
+      at += nr;
     }
-    fold[0] += e2;
-    fold[1] += r2;
-    at += (int)nr;
   }
 checked:
   if (!err && check_err) {
@@ -364,18 +310,13 @@ done:
   if (err && failed >= 0)
     err = mm_error_wrap(err, failed % 2 ? "local expert %d w2 (down)" : "local expert %d w13 (gate/up)",
                         index_base + failed / 2);
-  if (err) cudaStreamSynchronize(st); /* copies and kernels may still use the buffers */
+  if (err) cudaStreamSynchronize(st); /* kernels may still read the scratch */
   mm_error_free(check_err);
-  for (int b = 0; b < 2; b++)
-    if (staged[b]) cudaEventDestroy(staged[b]);
   cudaFree(d_T);
   cudaFree(d_mats);
   cudaFree(scratch);
-  cudaFreeHost(stage);
-  cudaFreeHost(h_mats);
-  cudaFreeHost(faults);
-  cudaFreeHost(folds);
-  free(copies.c);
   free(T);
+  free(faults);
+  free(folds);
   return err;
 }
