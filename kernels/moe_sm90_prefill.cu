@@ -111,6 +111,11 @@ struct PfCfg {
   static constexpr int BM = 128, BN = 128 * kPasses, BNP = 128;
   static constexpr int kA = BM * 128, kB = BNP * 128;
   static constexpr int kStage = kA + kB; /* a stage's tiles, 1024-aligned */
+  /* a token tile of at most this many rows (an expert's last) runs with the
+   * operands turned around (the consumers' narrow_unit; 0: never). L1 only
+   * to 16: with m64n24 or m64n32 tiles ptxas spilled 12 bytes in L1's wide
+   * tiles. */
+  static constexpr int kNarrowMax = GEMM == 1 ? 16 : 32;
   static constexpr int kScaleBox = BM + 4; /* token scales from row0 & ~3 */
   /* the token scales' ring beside the tiles' (a tensor copy's destination:
    * 128-byte aligned). As a third part of each 1024-aligned stage they took
@@ -398,11 +403,229 @@ __global__ void __launch_bounds__(384, 1)
     const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
+  /* ---- a small tile (1 to G::kNarrowMax rows, an expert's last) with the
+   * operands turned around: the stage's 128 weight rows as A (64 per
+   * warpgroup), the tile's tokens as B, in m64n16 or m64n32 MMAs. Such a tile
+   * then costs 16 or 32 token columns on both warpgroups instead of one
+   * warpgroup's 64 token rows (docs/PERF.md, version 41). Accumulator rows
+   * r0 and r0 + 8 are the unit's weight rows 64c + r0 (+ 8): in L1 the gate
+   * and the up of channel 32c + 8w + l/4 of the pass's 64 (docs/LAYOUTS.md,
+   * "Row order"); column 8j + 2q + b is the tile's token 8j + 2q + b. The
+   * copies are the usual ones (the tile's first 64 token rows, the whole
+   * weight tile); L1's FP8 scale of a token takes the maxima of both
+   * warpgroups, through shared memory (kOffRed, which only L2 uses
+   * otherwise). */
+  auto narrow_unit = [&](auto ncols, const PfUnit &un) {
+    constexpr int N = decltype(ncols)::value, NJ = N / 8, R = N / 2;
+    /* the thread's coordinates, read again here (a volatile read stays
+     * where it is): derived from the outer ones, the branch's addresses were
+     * hoisted out of the unit loop, and their registers made ptxas spill in
+     * the wide tiles' L1 */
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int c = (int)(tid / 128) - 1, t = (int)(tid % 128), w = t / 32, l = t % 32, q = l % 4,
+              r0 = 16 * w + l / 4;
+    const uint32_t dw0 = (uint32_t)desc_b(smem_u32(sm + G::kA + c * 64 * 128)),
+                   dt0 = (uint32_t)desc_b(smem_u32(sm));
+    const float *sc0 = (const float *)(sm + G::kOffScl) + (un.row0 & 3);
+    float a0[R], a1[R], fn[R];
+    auto issue_n = [&](auto &acc) {
+      mbar_wait(&full[stage], phase);
+      const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
+      fence_acc(acc);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        mma_ss_narrow<N>(acc, desc_lo(dw0 + so + 2 * k), desc_lo(dt0 + so + 2 * k), k);
+      wg_commit();
+      fence_acc(acc);
+      const int s = stage;
+      next_stage();
+      return s;
+    };
+    /* the promotion: one token scale per column */
+    auto promote_n = [&](auto &acc, int s, auto pending) {
+      wg_wait<decltype(pending)::value>();
+      fence_acc(acc);
+      const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
+      float sv[NJ][2];
+#pragma unroll
+      for (int j = 0; j < NJ; j++) {
+        sv[j][0] = sc[8 * j + 2 * q];
+        sv[j][1] = sc[8 * j + 2 * q + 1];
+      }
+      uint32_t peer[CS - 1];
+      peers_at(s, peer);
+      ss_release<CS>(&empty[s], peer);
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) fn[4 * j + i] = fmaf(acc[4 * j + i], sv[j][i & 1], fn[4 * j + i]);
+    };
+    /* as `run` below: n blocks, the first issued into a0 at stage s0 */
+    auto run_n = [&](auto len, int s0) {
+      constexpr int n = decltype(len)::value;
+      int s1 = 0;
+#pragma unroll
+      for (int i = 0; i < n; i++) {
+        const std::integral_constant<int, 1> next_in_flight;
+        const std::integral_constant<int, 0> none_in_flight;
+        if (i + 1 == n) {
+          if (i % 2 == 0) promote_n(a0, s0, none_in_flight);
+          else promote_n(a1, s1, none_in_flight);
+        } else if (i % 2 == 0) {
+          s1 = issue_n(a1);
+          promote_n(a0, s0, next_in_flight);
+        } else {
+          s0 = issue_n(a0);
+          promote_n(a1, s1, next_in_flight);
+        }
+      }
+    };
+    /* L1: the top-k weights of the thread's tokens (0 past the tile's rows) */
+    float rwv[NJ][2], h0[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        const int tok = 8 * j + 2 * q + b;
+        rwv[j][b] = GEMM == 1 && tok < un.valid ? __ldg(p.row_weight + un.row0 + tok) : 0.0f;
+        h0[j][b] = 0.0f;
+      }
+#pragma unroll 1
+    for (int ps = 0; ps < G::kPasses; ps++) {
+      /* the factors of the thread's two weight rows */
+      const size_t fb = (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + ps * G::BNP + 64 * c + r0;
+      const float f0 = __ldg(p.rs + fb), f1 = __ldg(p.rs + fb + 8);
+#pragma unroll
+      for (int i = 0; i < R; i++) fn[i] = 0.0f;
+      int kb = 0;
+      for (; kb + kRun <= KB; kb += kRun) run_n(std::integral_constant<int, kRun>(), issue_n(a0));
+      for (; kb + 2 <= KB; kb += 2) run_n(std::integral_constant<int, 2>(), issue_n(a0));
+      if (kb < KB) run_n(std::integral_constant<int, 1>(), issue_n(a0));
+      if (GEMM == 1) {
+        /* SwiGLU, as the wide tiles' epilogue computes it */
+        const bool clamped = p.clamp > 0.0f;
+        const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
+        float v[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            float gt, up, sl;
+            to_bf16_pair(fn[4 * j + b] * f0, fn[4 * j + 2 + b] * f1, gt, up);
+            if (clamped) {
+              gt = mm_clamp_gate(gt, p.clamp);
+              up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
+              const uint32_t gb = __float_as_uint(gt);
+              sl = silu_entry(p.silu, gb >> 16);
+              if (gb & 0xFFFFu) sl = silu_c;
+            } else {
+              sl = silu_entry(p.silu, __float_as_uint(gt) >> 16);
+            }
+            v[j][b] = (sl * up) * rwv[j][b];
+          }
+        if (ps == 0) {
+#pragma unroll
+          for (int j = 0; j < NJ; j++) {
+            h0[j][0] = v[j][0];
+            h0[j][1] = v[j][1];
+          }
+          continue;
+        }
+        /* a token's maximum over the unit's 128 channels: the thread's one
+         * per pass, the warp's 8 channel lanes (l / 4), then the 8 warps of
+         * both warpgroups through shared memory */
+        float *red = (float *)(sm + G::kOffRed);
+        float mx[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            float m = fmaxf(fmaxf(0.0f, fabsf(h0[j][b])), fabsf(v[j][b]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+            if (l < 4) red[(4 * c + w) * N + 8 * j + 2 * q + b] = m;
+          }
+        named_sync(3, 256); /* both warpgroups: partial maxima written, the
+                             * previous unit's staging reads done */
+        uint8_t *const stg1 = sm + G::kOffStg; /* [N tokens][128 channels] */
+        const int ch = 32 * c + 8 * w + l / 4;
+        const int pos = p.mode == 3 ? mm_sm90_kperm_pos(MM_WMODE_G16_FP8, ch) : ch;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            const int tok = 8 * j + 2 * q + b;
+            float m = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) m = fmaxf(m, red[k * N + tok]);
+            mx[j][b] = fmaxf(m, 1e-4f);
+            const float inv = 448.0f / mx[j][b];
+#pragma unroll
+            for (int pp = 0; pp < 2; pp++) {
+              const int byte = 64 * pp + pos;
+              const uint8_t code = (uint8_t)__nv_cvt_float_to_fp8((pp ? v[j][b] : h0[j][b]) * inv,
+                                                                  __NV_SATFINITE, __NV_E4M3);
+              stg1[tok * 128 + (((byte >> 4) ^ (tok & 7)) << 4) + (byte & 15)] = code;
+            }
+            if (c == 0 && w == 0 && l < 4 && tok < un.valid)
+              p.as_t[(size_t)un.nt * p.Mp + un.row0 + tok] = mx[j][b] / 448.0f;
+          }
+        named_sync(3, 256);
+        /* 16-byte chunks, one per thread of both warpgroups; the next unit's
+         * first writes of this staging come after both warpgroups' next K
+         * loop, which cannot run more than the ring's stages ahead */
+        const int id = 128 * c + t;
+        if (id < 8 * N) {
+          const int tok = id / 8, ck = id % 8;
+          if (tok < un.valid)
+            *(uint4 *)(p.act + (size_t)(un.row0 + tok) * (p.N / 2) + un.nt * 128 + 16 * ck) =
+                *(const uint4 *)(stg1 + tok * 128 + ((ck ^ (tok & 7)) << 4));
+        }
+      } else {
+        /* BF16 [N tokens][the warpgroup's 64 columns] in its staging, 16-byte
+         * chunk k of token row r at k ^ (r % 8) */
+        uint8_t *const stg = sm + G::kOffStg + c * 16384;
+        named_sync(1 + c, 128); /* the previous unit's copy-out reads are done */
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            const int tok = 8 * j + 2 * q + (i & 1), col = r0 + 8 * (i >> 1);
+            const __nv_bfloat16 h = __float2bfloat16_rn(fn[4 * j + i] * (i >> 1 ? f1 : f0));
+            *(__nv_bfloat16 *)(stg + tok * 128 + (((col >> 3) ^ (tok & 7)) << 4) + 2 * (col & 7)) = h;
+          }
+        named_sync(1 + c, 128);
+        /* a map entry outside [0, M) is a caller's bug and is not followed */
+#pragma unroll
+        for (int id = t; id < 8 * N; id += 128) {
+          const int tok = id / 8, ck = id % 8;
+          if (tok < un.valid) {
+            const int orow = p.out_rows ? __ldg(p.out_rows + un.row0 + tok) : un.row0 + tok;
+            if ((unsigned)orow < (unsigned)p.M)
+              *(uint4 *)(p.out + (size_t)orow * p.N + un.nt * 128 + 64 * c + 8 * ck) =
+                  *(const uint4 *)(stg + tok * 128 + ((ck ^ (tok & 7)) << 4));
+          }
+        }
+      }
+    }
+  };
   set_max_regs_inc<kConsumerRegs>();
   /* one loop-carried counter: with the unit number carried beside it,
    * ptxas kept one of them in local memory */
   for (; ufirst + it * ustep < nunits; it++) {
     const PfUnit un = unit_of(ufirst + it * ustep);
+    if (un.valid > 0 && un.valid <= G::kNarrowMax) {
+      if constexpr (G::kNarrowMax <= 16) {
+        narrow_unit(std::integral_constant<int, 16>(), un);
+      } else {
+        if (un.valid <= 16) narrow_unit(std::integral_constant<int, 16>(), un);
+        else narrow_unit(std::integral_constant<int, 32>(), un);
+      }
+      continue;
+    }
     if (aoff >= un.valid) {
       /* no rows for this warpgroup (a small last tile, or a unit for
        * nobody): it only releases the stages, and the other warpgroup's
