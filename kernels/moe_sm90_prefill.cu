@@ -403,6 +403,33 @@ __global__ void __launch_bounds__(384, 1)
     const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
+  /* A run of n K blocks in two accumulators, the first block already issued
+   * into a0 at stage s0; a0 and a1 alternate: block i + 1's MMAs are queued
+   * before block i's promotion, so the warpgroup's tensor work does not stop
+   * for it. Nothing stays in flight across a loop's back edge: ptxas then
+   * serializes every MMA of the kernel. issue_acc(acc) issues the next
+   * stage's block and returns its stage, promote_acc(acc, s, pending) waits
+   * and promotes the block at stage s. */
+  auto two_acc_run = [&](auto len, int s0, auto &a0, auto &a1, auto &&issue_acc,
+                         auto &&promote_acc) {
+    constexpr int n = decltype(len)::value;
+    int s1 = 0;
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+      const std::integral_constant<int, 1> next_in_flight;
+      const std::integral_constant<int, 0> none_in_flight;
+      if (i + 1 == n) { /* the run's last block: wait for everything */
+        if (i % 2 == 0) promote_acc(a0, s0, none_in_flight);
+        else promote_acc(a1, s1, none_in_flight);
+      } else if (i % 2 == 0) {
+        s1 = issue_acc(a1);
+        promote_acc(a0, s0, next_in_flight);
+      } else {
+        s0 = issue_acc(a0);
+        promote_acc(a1, s1, next_in_flight);
+      }
+    }
+  };
   /* ---- a small tile (1 to G::kNarrowMax rows, an expert's last) with the
    * operands turned around: the stage's 128 weight rows as A (64 per
    * warpgroup), the tile's tokens as B, in m64n16 or m64n32 MMAs. Such a tile
@@ -462,26 +489,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < 4; i++) fn[4 * j + i] = fmaf(acc[4 * j + i], sv[j][i & 1], fn[4 * j + i]);
     };
-    /* as `run` below: n blocks, the first issued into a0 at stage s0 */
-    auto run_n = [&](auto len, int s0) {
-      constexpr int n = decltype(len)::value;
-      int s1 = 0;
-#pragma unroll
-      for (int i = 0; i < n; i++) {
-        const std::integral_constant<int, 1> next_in_flight;
-        const std::integral_constant<int, 0> none_in_flight;
-        if (i + 1 == n) {
-          if (i % 2 == 0) promote_n(a0, s0, none_in_flight);
-          else promote_n(a1, s1, none_in_flight);
-        } else if (i % 2 == 0) {
-          s1 = issue_n(a1);
-          promote_n(a0, s0, next_in_flight);
-        } else {
-          s0 = issue_n(a0);
-          promote_n(a1, s1, next_in_flight);
-        }
-      }
-    };
+    auto run_n = [&](auto len, int s0) { two_acc_run(len, s0, a0, a1, issue_n, promote_n); };
     /* L1: the top-k weights of the thread's tokens (0 past the tile's rows) */
     float rwv[NJ][2], h0[NJ][2];
 #pragma unroll
@@ -669,31 +677,9 @@ __global__ void __launch_bounds__(384, 1)
       const float fac = __ldg(p.rs + (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + ps * G::BNP + t);
 #pragma unroll
       for (int i = 0; i < 64; i++) fin[i] = 0.f;
-      /* runs of kRun blocks in two accumulators: block i + 1's MMAs are
-       * queued before block i's promotion, so the warpgroup's tensor work
-       * does not stop for it. Nothing stays in flight across a loop's back
-       * edge: ptxas then serializes every MMA of the kernel. */
-      /* a run of n blocks, the first already issued into acc0 at stage s0;
-       * acc0 and acc1 alternate */
-      auto run = [&](auto len, int s0) {
-        constexpr int n = decltype(len)::value;
-        int s1 = 0;
-#pragma unroll
-        for (int i = 0; i < n; i++) {
-          const std::integral_constant<int, 1> next_in_flight;
-          const std::integral_constant<int, 0> none_in_flight;
-          if (i + 1 == n) { /* the run's last block: wait for everything */
-            if (i % 2 == 0) promote(acc0, s0, sc0, none_in_flight);
-            else promote(acc1, s1, sc0, none_in_flight);
-          } else if (i % 2 == 0) {
-            s1 = issue(acc1);
-            promote(acc0, s0, sc0, next_in_flight);
-          } else {
-            s0 = issue(acc0);
-            promote(acc1, s1, sc0, next_in_flight);
-          }
-        }
-      };
+      /* runs of kRun blocks in two accumulators (two_acc_run) */
+      auto promote_wide = [&](auto &acc, int s, auto pending) { promote(acc, s, sc0, pending); };
+      auto run = [&](auto len, int s0) { two_acc_run(len, s0, acc0, acc1, issue, promote_wide); };
       int kb = 0;
       for (; kb + kRun <= KB; kb += kRun) run(std::integral_constant<int, kRun>(), issue(acc0));
       for (; kb + 2 <= KB; kb += 2) run(std::integral_constant<int, 2>(), issue(acc0));
