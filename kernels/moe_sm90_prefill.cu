@@ -190,6 +190,27 @@ __device__ __forceinline__ void to_bf16_pair(float g, float u, float &gb, float 
   ub = __uint_as_float(d & 0xFFFF0000u);
 }
 
+/* silu(gate) * up of a BF16 gate and up, as ref_moe.h orders it; clamped:
+ * the activation clamp first (gate <= c, up in [-c, c]). A BF16 gate's silu
+ * comes from the table (its index is in the table whatever the gate); a
+ * clamped one that BF16 cannot hold is the clamp itself, whose silu is
+ * silu_c. The gate keeps a NaN's bits (min.NaN would make it the canonical
+ * NaN, whose low half is not 0: silu_c), the up may become the canonical
+ * NaN, a NaN all the same. */
+template <bool kClamped>
+__device__ __forceinline__ float silu_up(float gt, float up, float clamp, float silu_c,
+                                         const float *silu) {
+  if constexpr (kClamped) {
+    gt = mm_clamp_gate(gt, clamp);
+    up = fmax_nan(fmin_nan(up, clamp), -clamp);
+    const uint32_t gb = __float_as_uint(gt);
+    const float s = silu_entry(silu, gb >> 16);
+    return ((gb & 0xFFFFu) ? silu_c : s) * up;
+  } else {
+    return silu_entry(silu, __float_as_uint(gt) >> 16) * up;
+  }
+}
+
 /* A work unit: expert e (of the launch), token tile mt (of the expert's),
  * column tile nt; row0 the pool row of the tile's first token (a tile past
  * the expert's rows, in a cluster's last set, re-reads its first tile),
@@ -520,18 +541,11 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < NJ; j++)
 #pragma unroll
           for (int b = 0; b < 2; b++) {
-            float gt, up, sl;
+            float gt, up;
             to_bf16_pair(fn[4 * j + b] * f0, fn[4 * j + 2 + b] * f1, gt, up);
-            if (clamped) {
-              gt = mm_clamp_gate(gt, p.clamp);
-              up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
-              const uint32_t gb = __float_as_uint(gt);
-              sl = silu_entry(p.silu, gb >> 16);
-              if (gb & 0xFFFFu) sl = silu_c;
-            } else {
-              sl = silu_entry(p.silu, __float_as_uint(gt) >> 16);
-            }
-            v[j][b] = (sl * up) * rwv[j][b];
+            v[j][b] = (clamped ? silu_up<true>(gt, up, p.clamp, silu_c, p.silu)
+                               : silu_up<false>(gt, up, p.clamp, silu_c, p.silu)) *
+                      rwv[j][b];
           }
         if (ps == 0) {
 #pragma unroll
@@ -718,23 +732,8 @@ __global__ void __launch_bounds__(384, 1)
                 float gt, up;
                 to_bf16_pair(fin[8 * m + 2 * rr + b] * (b ? fg.y : fg.x),
                              fin[8 * m + 4 + 2 * rr + b] * (b ? fu.y : fu.x), gt, up);
-                /* a BF16 gate from the table (its index is in the table
-                 * whatever the gate); a clamped one that BF16 cannot hold is
-                 * the clamp itself, whose silu is silu_c */
-                float s;
-                if constexpr (decltype(clamped)::value) {
-                  /* the gate keeps a NaN's bits (min.NaN would make it the
-                   * canonical NaN, whose low half is not 0: silu_c below), the
-                   * up may become the canonical NaN, a NaN all the same */
-                  gt = mm_clamp_gate(gt, p.clamp);
-                  up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
-                  const uint32_t gb = __float_as_uint(gt);
-                  s = silu_entry(p.silu, gb >> 16);
-                  if (gb & 0xFFFFu) s = silu_c;
-                } else {
-                  s = silu_entry(p.silu, __float_as_uint(gt) >> 16);
-                }
-                const float v = (s * up) * rw[rr];
+                const float v =
+                    silu_up<decltype(clamped)::value>(gt, up, p.clamp, silu_c, p.silu) * rw[rr];
                 h[16 * rr + 2 * m + b] = v;
                 amax[rr] = fmaxf(amax[rr], fabsf(v));
               }
