@@ -596,9 +596,11 @@ __global__ void __launch_bounds__(384, 1)
               p.as_t[(size_t)un.nt * p.Mp + un.row0 + tok] = mx[j][b] / 448.0f;
           }
         named_sync(3, 256);
-        /* 16-byte chunks, one per thread of both warpgroups; the next unit's
-         * first writes of this staging come after both warpgroups' next K
-         * loop, which cannot run more than the ring's stages ahead */
+        /* 16-byte chunks, one per thread: with N = 16 the first warpgroup's,
+         * whose staging this is, so its next writes there follow these reads
+         * in the same threads (with N = 32 the second warpgroup's reads would
+         * precede the first one's next epilogue by a whole K loop, which
+         * cannot run more than the ring's stages ahead of them) */
         const int id = 128 * c + t;
         if (id < 8 * N) {
           const int tok = id / 8, ck = id % 8;
