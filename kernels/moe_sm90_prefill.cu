@@ -102,6 +102,7 @@ struct PfParams {
   uint16_t *out;     /* [M][N] BF16 */
   const int32_t *out_rows;
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
+  int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
 };
 
 template <int GEMM>
@@ -641,7 +642,7 @@ __global__ void __launch_bounds__(384, 1)
    * ptxas kept one of them in local memory */
   for (; ufirst + it * ustep < nunits; it++) {
     const PfUnit un = unit_of(ufirst + it * ustep);
-    if (un.valid > 0 && un.valid <= G::kNarrowMax) {
+    if (p.narrow && un.valid > 0 && un.valid <= G::kNarrowMax) {
       if constexpr (G::kNarrowMax <= 16) {
         narrow_unit(std::integral_constant<int, 16>(), un);
       } else {
@@ -945,6 +946,10 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.as_t = ws->as_t;
   p.out = pool->out;
   p.out_rows = pool->out_rows;
+  /* MEGAMOE_SM90_PREFILL_NARROW=0: every small last tile on the usual tile
+   * (docs/CONFIG.md; a measurement's control) */
+  const char *nv = getenv("MEGAMOE_SM90_PREFILL_NARROW");
+  p.narrow = !(nv && nv[0] == '0');
   for (int ch = 0; ch < chunks; ch++) {
     p.e0 = ch * chunk;
     p.E = L->E - p.e0 < chunk ? L->E - p.e0 : chunk;
