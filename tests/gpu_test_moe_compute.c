@@ -774,6 +774,8 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s4);
   const shape s5 = {256, 128, 10, k_counts_widths, 0, 0.0f, 0, 1, 0}; /* MMA widths */
   run_case(MM_WMODE_G32_FP8, &s5);
+  const shape s6 = {256, 384, 10, k_counts_narrow, 0, 0.0f, 0, 1, 0}; /* narrow last tiles */
+  run_case(MM_WMODE_G32_FP8, &s6);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
