@@ -230,7 +230,8 @@ template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
-                   const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah) {
+                   const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah,
+                   const __grid_constant__ CUtensorMap tq) {
   using G = PfCfg<GEMM>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -338,16 +339,20 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile("fence.proxy.async.global;" ::: "memory");
           e_ready = un.e;
         }
-        /* at most one warpgroup's rows: only its half of the token tile */
+        /* at most one warpgroup's rows: only its half of the token tile; a
+         * narrow unit of at most 16 rows (narrow_unit's m64n16): only those */
         const bool half = un.valid <= G::BM / 2;
+        const bool rows16 = p.narrow && un.valid > 0 && un.valid <= 16;
+        const CUtensorMap *tx = rows16 ? &tq : half ? &tah : &ta;
+        const uint32_t abytes = rows16 ? 16 * 128 : half ? G::kA / 2 : G::kA;
         for (int ps = 0; ps < G::kPasses; ps++) {
           const int brow = un.e * p.N + un.nt * G::BN + ps * G::BNP +
                            (un.split ? 0 : (int)crank * (G::BNP / CS));
           for (int kb = 0; kb < KB; kb++) {
             mbar_wait(&empty[stage], phase ^ 1);
             uint8_t *st = sm + stage * G::kStage;
-            mbar_expect_tx(&full[stage], (half ? G::kA / 2 : G::kA) + G::kB + 4 * G::kScaleBox);
-            tma_2d(st, half ? &tah : &ta, kb * 128, un.row0, &full[stage]);
+            mbar_expect_tx(&full[stage], abytes + G::kB + 4 * G::kScaleBox);
+            tma_2d(st, tx, kb * 128, un.row0, &full[stage]);
             if (un.split) /* the whole weight tile, into this CTA only */
 #pragma unroll
               for (int i = 0; i < CS; i++)
@@ -460,8 +465,8 @@ __global__ void __launch_bounds__(384, 1)
    * r0 and r0 + 8 are the unit's weight rows 64c + r0 (+ 8): in L1 the gate
    * and the up of channel 32c + 8w + l/4 of the pass's 64 (docs/LAYOUTS.md,
    * "Row order"); column 8j + 2q + b is the tile's token 8j + 2q + b. The
-   * copies are the usual ones (the tile's first 64 token rows, the whole
-   * weight tile); L1's FP8 scale of a token takes the maxima of both
+   * copies: the whole weight tile (split units), and the tile's first 16
+   * token rows (m64n16) or 64 (m64n32); L1's FP8 scale of a token takes the maxima of both
    * warpgroups, through shared memory (kOffRed, which only L2 uses
    * otherwise). */
   auto narrow_unit = [&](auto ncols, const PfUnit &un) {
@@ -861,7 +866,8 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah, int max_ctas,
+               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah,
+               const CUtensorMap &tq, int max_ctas,
                cudaStream_t st) {
   using G = PfCfg<GEMM>;
   auto kern = prefill_kernel<GEMM, CS>;
@@ -875,7 +881,7 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   /* a cap (tests): whole clusters, at least one */
   if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas < CS ? CS : max_ctas / CS * CS;
   cfg.gridDim = dim3(ctas);
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah, tq));
   return NULL;
 }
 
@@ -905,7 +911,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int max_ctas = mm_sm90_grid_cap();
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
-  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h;
+  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h, x1q, x2q;
   const int ec = chunk;
   using C1 = PfCfg<1>;
   using C2 = PfCfg<2>;
@@ -913,6 +919,9 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   /* the token tiles' first halves, for tiles of at most one warpgroup's rows */
   MM_TRY(make_map(&x1h, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM / 2, true));
   MM_TRY(make_map(&x2h, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM / 2, true));
+  /* and their first 16 rows, for the narrow units of at most 16 rows */
+  MM_TRY(make_map(&x1q, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, 16, true));
+  MM_TRY(make_map(&x2q, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, 16, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
                   C1::kScaleBox, 1, false));
   MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM, true));
@@ -959,14 +968,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, max_ctas, st)));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, x1q, max_ctas, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, max_ctas, st)));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, x2q, max_ctas, st)));
   }
   return NULL;
 }
