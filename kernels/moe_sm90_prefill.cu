@@ -102,6 +102,7 @@ struct PfParams {
   uint16_t *out;     /* [M][N] BF16 */
   const int32_t *out_rows;
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
+  int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
 };
 
 template <int GEMM>
@@ -111,6 +112,11 @@ struct PfCfg {
   static constexpr int BM = 128, BN = 128 * kPasses, BNP = 128;
   static constexpr int kA = BM * 128, kB = BNP * 128;
   static constexpr int kStage = kA + kB; /* a stage's tiles, 1024-aligned */
+  /* a token tile of at most this many rows (an expert's last) runs with the
+   * operands turned around (the consumers' narrow_unit; 0: never). L1 only
+   * to 16: with m64n24 or m64n32 tiles ptxas spilled 12 bytes in L1's wide
+   * tiles. */
+  static constexpr int kNarrowMax = GEMM == 1 ? 16 : 32;
   static constexpr int kScaleBox = BM + 4; /* token scales from row0 & ~3 */
   /* the token scales' ring beside the tiles' (a tensor copy's destination:
    * 128-byte aligned). As a third part of each 1024-aligned stage they took
@@ -185,6 +191,27 @@ __device__ __forceinline__ void to_bf16_pair(float g, float u, float &gb, float 
   ub = __uint_as_float(d & 0xFFFF0000u);
 }
 
+/* silu(gate) * up of a BF16 gate and up, as ref_moe.h orders it; clamped:
+ * the activation clamp first (gate <= c, up in [-c, c]). A BF16 gate's silu
+ * comes from the table (its index is in the table whatever the gate); a
+ * clamped one that BF16 cannot hold is the clamp itself, whose silu is
+ * silu_c. The gate keeps a NaN's bits (min.NaN would make it the canonical
+ * NaN, whose low half is not 0: silu_c), the up may become the canonical
+ * NaN, a NaN all the same. */
+template <bool kClamped>
+__device__ __forceinline__ float silu_up(float gt, float up, float clamp, float silu_c,
+                                         const float *silu) {
+  if constexpr (kClamped) {
+    gt = mm_clamp_gate(gt, clamp);
+    up = fmax_nan(fmin_nan(up, clamp), -clamp);
+    const uint32_t gb = __float_as_uint(gt);
+    const float s = silu_entry(silu, gb >> 16);
+    return ((gb & 0xFFFFu) ? silu_c : s) * up;
+  } else {
+    return silu_entry(silu, __float_as_uint(gt) >> 16) * up;
+  }
+}
+
 /* A work unit: expert e (of the launch), token tile mt (of the expert's),
  * column tile nt; row0 the pool row of the tile's first token (a tile past
  * the expert's rows, in a cluster's last set, re-reads its first tile),
@@ -203,7 +230,8 @@ template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
-                   const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah) {
+                   const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah,
+                   const __grid_constant__ CUtensorMap tq) {
   using G = PfCfg<GEMM>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -311,16 +339,20 @@ __global__ void __launch_bounds__(384, 1)
           asm volatile("fence.proxy.async.global;" ::: "memory");
           e_ready = un.e;
         }
-        /* at most one warpgroup's rows: only its half of the token tile */
+        /* at most one warpgroup's rows: only its half of the token tile; a
+         * narrow unit of at most 16 rows (narrow_unit's m64n16): only those */
         const bool half = un.valid <= G::BM / 2;
+        const bool rows16 = p.narrow && un.valid > 0 && un.valid <= 16;
+        const CUtensorMap *tx = rows16 ? &tq : half ? &tah : &ta;
+        const uint32_t abytes = rows16 ? 16 * 128 : half ? G::kA / 2 : G::kA;
         for (int ps = 0; ps < G::kPasses; ps++) {
           const int brow = un.e * p.N + un.nt * G::BN + ps * G::BNP +
                            (un.split ? 0 : (int)crank * (G::BNP / CS));
           for (int kb = 0; kb < KB; kb++) {
             mbar_wait(&empty[stage], phase ^ 1);
             uint8_t *st = sm + stage * G::kStage;
-            mbar_expect_tx(&full[stage], (half ? G::kA / 2 : G::kA) + G::kB + 4 * G::kScaleBox);
-            tma_2d(st, half ? &tah : &ta, kb * 128, un.row0, &full[stage]);
+            mbar_expect_tx(&full[stage], abytes + G::kB + 4 * G::kScaleBox);
+            tma_2d(st, tx, kb * 128, un.row0, &full[stage]);
             if (un.split) /* the whole weight tile, into this CTA only */
 #pragma unroll
               for (int i = 0; i < CS; i++)
@@ -398,11 +430,232 @@ __global__ void __launch_bounds__(384, 1)
     const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
     ss_promote<CS, decltype(pending)::value>(sc, r0, &empty[s], peer, acc, fin);
   };
+  /* A run of n K blocks in two accumulators, the first block already issued
+   * into a0 at stage s0; a0 and a1 alternate: block i + 1's MMAs are queued
+   * before block i's promotion, so the warpgroup's tensor work does not stop
+   * for it. Nothing stays in flight across a loop's back edge: ptxas then
+   * serializes every MMA of the kernel. issue_acc(acc) issues the next
+   * stage's block and returns its stage, promote_acc(acc, s, pending) waits
+   * and promotes the block at stage s. */
+  auto two_acc_run = [&](auto len, int s0, auto &a0, auto &a1, auto &&issue_acc,
+                         auto &&promote_acc) {
+    constexpr int n = decltype(len)::value;
+    int s1 = 0;
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+      const std::integral_constant<int, 1> next_in_flight;
+      const std::integral_constant<int, 0> none_in_flight;
+      if (i + 1 == n) { /* the run's last block: wait for everything */
+        if (i % 2 == 0) promote_acc(a0, s0, none_in_flight);
+        else promote_acc(a1, s1, none_in_flight);
+      } else if (i % 2 == 0) {
+        s1 = issue_acc(a1);
+        promote_acc(a0, s0, next_in_flight);
+      } else {
+        s0 = issue_acc(a0);
+        promote_acc(a1, s1, next_in_flight);
+      }
+    }
+  };
+  /* ---- a small tile (1 to G::kNarrowMax rows, an expert's last) with the
+   * operands turned around: the stage's 128 weight rows as A (64 per
+   * warpgroup), the tile's tokens as B, in m64n16 or m64n32 MMAs. Such a tile
+   * then costs 16 or 32 token columns on both warpgroups instead of one
+   * warpgroup's 64 token rows (docs/PERF.md, version 41). Accumulator rows
+   * r0 and r0 + 8 are the unit's weight rows 64c + r0 (+ 8): in L1 the gate
+   * and the up of channel 32c + 8w + l/4 of the pass's 64 (docs/LAYOUTS.md,
+   * "Row order"); column 8j + 2q + b is the tile's token 8j + 2q + b. The
+   * copies: the whole weight tile (split units), and the tile's first 16
+   * token rows (m64n16) or 64 (m64n32); L1's FP8 scale of a token takes the maxima of both
+   * warpgroups, through shared memory (kOffRed, which only L2 uses
+   * otherwise). */
+  auto narrow_unit = [&](auto ncols, const PfUnit &un) {
+    constexpr int N = decltype(ncols)::value, NJ = N / 8, R = N / 2;
+    /* the thread's coordinates, read again here (a volatile read stays
+     * where it is): derived from the outer ones, the branch's addresses were
+     * hoisted out of the unit loop, and their registers made ptxas spill in
+     * the wide tiles' L1 */
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int c = (int)(tid / 128) - 1, t = (int)(tid % 128), w = t / 32, l = t % 32, q = l % 4,
+              r0 = 16 * w + l / 4;
+    const uint32_t dw0 = (uint32_t)desc_b(smem_u32(sm + G::kA + c * 64 * 128)),
+                   dt0 = (uint32_t)desc_b(smem_u32(sm));
+    const float *sc0 = (const float *)(sm + G::kOffScl) + (un.row0 & 3);
+    float a0[R], a1[R], fn[R];
+    auto issue_n = [&](auto &acc) {
+      mbar_wait(&full[stage], phase);
+      const uint32_t so = (uint32_t)stage * (G::kStage >> 4);
+      fence_acc(acc);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        mma_ss_narrow<N>(acc, desc_lo(dw0 + so + 2 * k), desc_lo(dt0 + so + 2 * k), k);
+      wg_commit();
+      fence_acc(acc);
+      const int s = stage;
+      next_stage();
+      return s;
+    };
+    /* the promotion: one token scale per column */
+    auto promote_n = [&](auto &acc, int s, auto pending) {
+      wg_wait<decltype(pending)::value>();
+      fence_acc(acc);
+      const float *sc = (const float *)((const uint8_t *)sc0 + s * G::kSlot);
+      float sv[NJ][2];
+#pragma unroll
+      for (int j = 0; j < NJ; j++) {
+        sv[j][0] = sc[8 * j + 2 * q];
+        sv[j][1] = sc[8 * j + 2 * q + 1];
+      }
+      uint32_t peer[CS - 1];
+      peers_at(s, peer);
+      ss_release<CS>(&empty[s], peer);
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) fn[4 * j + i] = fmaf(acc[4 * j + i], sv[j][i & 1], fn[4 * j + i]);
+    };
+    auto run_n = [&](auto len, int s0) { two_acc_run(len, s0, a0, a1, issue_n, promote_n); };
+    /* L1: the top-k weights of the thread's tokens (0 past the tile's rows) */
+    float rwv[NJ][2], h0[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        const int tok = 8 * j + 2 * q + b;
+        rwv[j][b] = GEMM == 1 && tok < un.valid ? __ldg(p.row_weight + un.row0 + tok) : 0.0f;
+        h0[j][b] = 0.0f;
+      }
+#pragma unroll 1
+    for (int ps = 0; ps < G::kPasses; ps++) {
+      /* the factors of the thread's two weight rows */
+      const size_t fb = (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + ps * G::BNP + 64 * c + r0;
+      const float f0 = __ldg(p.rs + fb), f1 = __ldg(p.rs + fb + 8);
+#pragma unroll
+      for (int i = 0; i < R; i++) fn[i] = 0.0f;
+      int kb = 0;
+      for (; kb + kRun <= KB; kb += kRun) run_n(std::integral_constant<int, kRun>(), issue_n(a0));
+      for (; kb + 2 <= KB; kb += 2) run_n(std::integral_constant<int, 2>(), issue_n(a0));
+      if (kb < KB) run_n(std::integral_constant<int, 1>(), issue_n(a0));
+      if (GEMM == 1) {
+        /* SwiGLU, as the wide tiles' epilogue computes it */
+        const bool clamped = p.clamp > 0.0f;
+        const float silu_c = clamped ? p.clamp / (1.0f + expf(-p.clamp)) : 0.0f;
+        float v[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            float gt, up;
+            to_bf16_pair(fn[4 * j + b] * f0, fn[4 * j + 2 + b] * f1, gt, up);
+            v[j][b] = (clamped ? silu_up<true>(gt, up, p.clamp, silu_c, p.silu)
+                               : silu_up<false>(gt, up, p.clamp, silu_c, p.silu)) *
+                      rwv[j][b];
+          }
+        if (ps == 0) {
+#pragma unroll
+          for (int j = 0; j < NJ; j++) {
+            h0[j][0] = v[j][0];
+            h0[j][1] = v[j][1];
+          }
+          continue;
+        }
+        /* a token's maximum over the unit's 128 channels: the thread's one
+         * per pass, the warp's 8 channel lanes (l / 4), then the 8 warps of
+         * both warpgroups through shared memory */
+        float *red = (float *)(sm + G::kOffRed);
+        float mx[NJ][2];
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            float m = fmaxf(fmaxf(0.0f, fabsf(h0[j][b])), fabsf(v[j][b]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+            if (l < 4) red[(4 * c + w) * N + 8 * j + 2 * q + b] = m;
+          }
+        named_sync(3, 256); /* both warpgroups: partial maxima written, the
+                             * previous unit's staging reads done */
+        uint8_t *const stg1 = sm + G::kOffStg; /* [N tokens][128 channels] */
+        const int ch = 32 * c + 8 * w + l / 4;
+        const int pos = p.mode == 3 ? mm_sm90_kperm_pos(MM_WMODE_G16_FP8, ch) : ch;
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            const int tok = 8 * j + 2 * q + b;
+            float m = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++) m = fmaxf(m, red[k * N + tok]);
+            mx[j][b] = fmaxf(m, 1e-4f);
+            const float inv = 448.0f / mx[j][b];
+#pragma unroll
+            for (int pp = 0; pp < 2; pp++) {
+              const int byte = 64 * pp + pos;
+              const uint8_t code = (uint8_t)__nv_cvt_float_to_fp8((pp ? v[j][b] : h0[j][b]) * inv,
+                                                                  __NV_SATFINITE, __NV_E4M3);
+              stg1[tok * 128 + (((byte >> 4) ^ (tok & 7)) << 4) + (byte & 15)] = code;
+            }
+            if (c == 0 && w == 0 && l < 4 && tok < un.valid)
+              p.as_t[(size_t)un.nt * p.Mp + un.row0 + tok] = mx[j][b] / 448.0f;
+          }
+        named_sync(3, 256);
+        /* 16-byte chunks, one per thread: with N = 16 the first warpgroup's,
+         * whose staging this is, so its next writes there follow these reads
+         * in the same threads (with N = 32 the second warpgroup's reads would
+         * precede the first one's next epilogue by a whole K loop, which
+         * cannot run more than the ring's stages ahead of them) */
+        const int id = 128 * c + t;
+        if (id < 8 * N) {
+          const int tok = id / 8, ck = id % 8;
+          if (tok < un.valid)
+            *(uint4 *)(p.act + (size_t)(un.row0 + tok) * (p.N / 2) + un.nt * 128 + 16 * ck) =
+                *(const uint4 *)(stg1 + tok * 128 + ((ck ^ (tok & 7)) << 4));
+        }
+      } else {
+        /* BF16 [N tokens][the warpgroup's 64 columns] in its staging, 16-byte
+         * chunk k of token row r at k ^ (r % 8) */
+        uint8_t *const stg = sm + G::kOffStg + c * 16384;
+        named_sync(1 + c, 128); /* the previous unit's copy-out reads are done */
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            const int tok = 8 * j + 2 * q + (i & 1), col = r0 + 8 * (i >> 1);
+            const __nv_bfloat16 h = __float2bfloat16_rn(fn[4 * j + i] * (i >> 1 ? f1 : f0));
+            *(__nv_bfloat16 *)(stg + tok * 128 + (((col >> 3) ^ (tok & 7)) << 4) + 2 * (col & 7)) = h;
+          }
+        named_sync(1 + c, 128);
+        /* a map entry outside [0, M) is a caller's bug and is not followed */
+#pragma unroll
+        for (int id = t; id < 8 * N; id += 128) {
+          const int tok = id / 8, ck = id % 8;
+          if (tok < un.valid) {
+            const int orow = p.out_rows ? __ldg(p.out_rows + un.row0 + tok) : un.row0 + tok;
+            if ((unsigned)orow < (unsigned)p.M)
+              *(uint4 *)(p.out + (size_t)orow * p.N + un.nt * 128 + 64 * c + 8 * ck) =
+                  *(const uint4 *)(stg + tok * 128 + ((ck ^ (tok & 7)) << 4));
+          }
+        }
+      }
+    }
+  };
   set_max_regs_inc<kConsumerRegs>();
   /* one loop-carried counter: with the unit number carried beside it,
    * ptxas kept one of them in local memory */
   for (; ufirst + it * ustep < nunits; it++) {
     const PfUnit un = unit_of(ufirst + it * ustep);
+    if (p.narrow && un.valid > 0 && un.valid <= G::kNarrowMax) {
+      if constexpr (G::kNarrowMax <= 16) {
+        narrow_unit(std::integral_constant<int, 16>(), un);
+      } else {
+        if (un.valid <= 16) narrow_unit(std::integral_constant<int, 16>(), un);
+        else narrow_unit(std::integral_constant<int, 32>(), un);
+      }
+      continue;
+    }
     if (aoff >= un.valid) {
       /* no rows for this warpgroup (a small last tile, or a unit for
        * nobody): it only releases the stages, and the other warpgroup's
@@ -446,31 +699,9 @@ __global__ void __launch_bounds__(384, 1)
       const float fac = __ldg(p.rs + (size_t)(p.e0 + un.e) * p.N + un.nt * G::BN + ps * G::BNP + t);
 #pragma unroll
       for (int i = 0; i < 64; i++) fin[i] = 0.f;
-      /* runs of kRun blocks in two accumulators: block i + 1's MMAs are
-       * queued before block i's promotion, so the warpgroup's tensor work
-       * does not stop for it. Nothing stays in flight across a loop's back
-       * edge: ptxas then serializes every MMA of the kernel. */
-      /* a run of n blocks, the first already issued into acc0 at stage s0;
-       * acc0 and acc1 alternate */
-      auto run = [&](auto len, int s0) {
-        constexpr int n = decltype(len)::value;
-        int s1 = 0;
-#pragma unroll
-        for (int i = 0; i < n; i++) {
-          const std::integral_constant<int, 1> next_in_flight;
-          const std::integral_constant<int, 0> none_in_flight;
-          if (i + 1 == n) { /* the run's last block: wait for everything */
-            if (i % 2 == 0) promote(acc0, s0, sc0, none_in_flight);
-            else promote(acc1, s1, sc0, none_in_flight);
-          } else if (i % 2 == 0) {
-            s1 = issue(acc1);
-            promote(acc0, s0, sc0, next_in_flight);
-          } else {
-            s0 = issue(acc0);
-            promote(acc1, s1, sc0, next_in_flight);
-          }
-        }
-      };
+      /* runs of kRun blocks in two accumulators (two_acc_run) */
+      auto promote_wide = [&](auto &acc, int s, auto pending) { promote(acc, s, sc0, pending); };
+      auto run = [&](auto len, int s0) { two_acc_run(len, s0, acc0, acc1, issue, promote_wide); };
       int kb = 0;
       for (; kb + kRun <= KB; kb += kRun) run(std::integral_constant<int, kRun>(), issue(acc0));
       for (; kb + 2 <= KB; kb += 2) run(std::integral_constant<int, 2>(), issue(acc0));
@@ -509,23 +740,8 @@ __global__ void __launch_bounds__(384, 1)
                 float gt, up;
                 to_bf16_pair(fin[8 * m + 2 * rr + b] * (b ? fg.y : fg.x),
                              fin[8 * m + 4 + 2 * rr + b] * (b ? fu.y : fu.x), gt, up);
-                /* a BF16 gate from the table (its index is in the table
-                 * whatever the gate); a clamped one that BF16 cannot hold is
-                 * the clamp itself, whose silu is silu_c */
-                float s;
-                if constexpr (decltype(clamped)::value) {
-                  /* the gate keeps a NaN's bits (min.NaN would make it the
-                   * canonical NaN, whose low half is not 0: silu_c below), the
-                   * up may become the canonical NaN, a NaN all the same */
-                  gt = mm_clamp_gate(gt, p.clamp);
-                  up = fmax_nan(fmin_nan(up, p.clamp), -p.clamp);
-                  const uint32_t gb = __float_as_uint(gt);
-                  s = silu_entry(p.silu, gb >> 16);
-                  if (gb & 0xFFFFu) s = silu_c;
-                } else {
-                  s = silu_entry(p.silu, __float_as_uint(gt) >> 16);
-                }
-                const float v = (s * up) * rw[rr];
+                const float v =
+                    silu_up<decltype(clamped)::value>(gt, up, p.clamp, silu_c, p.silu) * rw[rr];
                 h[16 * rr + 2 * m + b] = v;
                 amax[rr] = fmaxf(amax[rr], fabsf(v));
               }
@@ -650,7 +866,8 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
 
 template <int GEMM, int CS>
 mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah, int max_ctas,
+               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah,
+               const CUtensorMap &tq, int max_ctas,
                cudaStream_t st) {
   using G = PfCfg<GEMM>;
   auto kern = prefill_kernel<GEMM, CS>;
@@ -664,7 +881,7 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   /* a cap (tests): whole clusters, at least one */
   if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas < CS ? CS : max_ctas / CS * CS;
   cfg.gridDim = dim3(ctas);
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah));
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah, tq));
   return NULL;
 }
 
@@ -694,7 +911,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int max_ctas = mm_sm90_grid_cap();
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
-  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h;
+  CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h, x1q, x2q;
   const int ec = chunk;
   using C1 = PfCfg<1>;
   using C2 = PfCfg<2>;
@@ -702,6 +919,9 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   /* the token tiles' first halves, for tiles of at most one warpgroup's rows */
   MM_TRY(make_map(&x1h, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, C1::BM / 2, true));
   MM_TRY(make_map(&x2h, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM / 2, true));
+  /* and their first 16 rows, for the narrow units of at most 16 rows */
+  MM_TRY(make_map(&x1q, CU_TENSOR_MAP_DATA_TYPE_UINT8, pool->x, H, M, H, 128, 16, true));
+  MM_TRY(make_map(&x2q, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, 16, true));
   MM_TRY(make_map(&s1, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, ws->xs_t, Mp, H / 128, 4ull * Mp,
                   C1::kScaleBox, 1, false));
   MM_TRY(make_map(&x2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->act, I, Mp, I, 128, C2::BM, true));
@@ -735,6 +955,10 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.as_t = ws->as_t;
   p.out = pool->out;
   p.out_rows = pool->out_rows;
+  /* MEGAMOE_SM90_PREFILL_NARROW=0: every small last tile on the usual tile
+   * (docs/CONFIG.md; a measurement's control) */
+  const char *nv = getenv("MEGAMOE_SM90_PREFILL_NARROW");
+  p.narrow = !(nv && nv[0] == '0');
   for (int ch = 0; ch < chunks; ch++) {
     p.e0 = ch * chunk;
     p.E = L->E - p.e0 < chunk ? L->E - p.e0 : chunk;
@@ -744,14 +968,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     p.N = 2 * I;
     p.K = H;
     p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, max_ctas, st)));
+    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, x1q, max_ctas, st)));
     /* L2, into the same workspace once L1 is done with it */
     p.mat_off = L->w13_bytes;
     p.rs = L->d_rs2;
     p.N = H;
     p.K = I;
     p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, max_ctas, st)));
+    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, x2q, max_ctas, st)));
   }
   return NULL;
 }

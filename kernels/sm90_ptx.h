@@ -138,6 +138,32 @@ __device__ __forceinline__ void mma_ss128(float (&d)[64], uint64_t da, uint64_t 
                : "l"(da), "l"(db), "r"(scale_d));
 }
 
+/* One m64nNk32 E4M3 WGMMA (N 16, 24 or 32) with both operands in shared memory:
+ * the prefill path's small last tiles, weights as A and tokens as B. */
+template <int N>
+__device__ __forceinline__ void mma_ss_narrow(float (&d)[N / 2], uint64_t da, uint64_t db,
+                                              int scale_d) {
+  static_assert(N == 16 || N == 24 || N == 32, "mma_ss_narrow: N 16, 24 or 32");
+  if constexpr (N == 24)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 {" MM_D_24
+                 "}, %12, %13, p, 1, 1;\n}\n"
+                 : MM_ACC_24(d)
+                 : "l"(da), "l"(db), "r"(scale_d));
+  else if constexpr (N == 16)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {" MM_D_16
+                 "}, %8, %9, p, 1, 1;\n}\n"
+                 : MM_ACC_16(d)
+                 : "l"(da), "l"(db), "r"(scale_d));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {" MM_D_32
+                 "}, %16, %17, p, 1, 1;\n}\n"
+                 : MM_ACC_32(d)
+                 : "l"(da), "l"(db), "r"(scale_d));
+}
+
 /* Both CTAs of a cluster meet: their barriers, copies and remote arrives
  * are set up (at the start) or done with (at the end). */
 __device__ __forceinline__ void cluster_sync() {

@@ -29,6 +29,7 @@ static const env_knob g_knobs[] = {
     {"MEGAMOE_SM90_WIDE_FIRST", "0 1"},
     {"MEGAMOE_SM90_GRID", NULL},
     {"MEGAMOE_SM90_PREFILL", "0 1"},
+    {"MEGAMOE_SM90_PREFILL_NARROW", "0 1"},
     {"MEGAMOE_SM90_PACK", "auto gpu host"},
 };
 #define NUM_KNOBS (sizeof g_knobs / sizeof g_knobs[0])

@@ -699,6 +699,11 @@ static const int k_counts_big[] = {2100, 77, 0, 1930};
  * 64-wide tiles (TOKEN_TILE=64) m64n48 MMAs at 45, 3, 33 and 40 rows and
  * in the last tiles of 70, 90 and 110, full ones at 52 */
 static const int k_counts_widths[] = {45, 3, 33, 70, 110, 2, 52, 40, 90, 0};
+/* the prefill path's narrow tiles (moe_sm90_prefill.cu, narrow_unit): an
+ * expert's last token tile of 1-16 rows in both GEMMs (m64n16: 16, 1, 8,
+ * 144's and 134's last), of 17-32 in L2 (m64n32: 17, 32, 159's last; L1
+ * takes them on one warpgroup), and 33 rows on the usual tile */
+static const int k_counts_narrow[] = {16, 17, 32, 1, 159, 33, 0, 144, 8, 134};
 
 static const shape k_shapes[] = {
     {256, 128, 3, k_counts_a, 0, 0.0f, 0, 0, 0},
@@ -718,13 +723,17 @@ static const shape k_shapes[] = {
      * counts in both GEMMs */
     {256, 256, 4, k_counts_big, 0, 0.0f, 0, 0, 0},
     {256, 128, 10, k_counts_widths, 0, 0.0f, 0, 0, 0},
+    /* I = 384: w2 anchors, so modes 1 and 3 take the prefill path */
+    {256, 384, 10, k_counts_narrow, 0, 0.0f, 0, 0, 0},
+    {256, 384, 10, k_counts_narrow, 0, 2.7f, 0, 0, 3},
 };
 
 static void test_mode(mm_weight_mode mode) {
-  /* MEGAMOE_TEST_QUICK (sanitizer runs): five shapes per mode */
+  /* MEGAMOE_TEST_QUICK (sanitizer runs): six shapes per mode */
   const int quick = getenv("MEGAMOE_TEST_QUICK") != NULL;
   for (size_t i = 0; i < sizeof(k_shapes) / sizeof(k_shapes[0]); i++)
-    if (!quick || i == 0 || i == 3 || i == 5 || i == 6 || i == 10) run_case(mode, &k_shapes[i]);
+    if (!quick || i == 0 || i == 3 || i == 5 || i == 6 || i == 10 || i == 11)
+      run_case(mode, &k_shapes[i]);
 }
 static void test_mode1_g32(void) {
   test_mode(MM_WMODE_G32_FP8);
@@ -765,6 +774,8 @@ static void test_exact_sums(void) {
   run_case(MM_WMODE_G32_FP8, &s4);
   const shape s5 = {256, 128, 10, k_counts_widths, 0, 0.0f, 0, 1, 0}; /* MMA widths */
   run_case(MM_WMODE_G32_FP8, &s5);
+  const shape s6 = {256, 384, 10, k_counts_narrow, 0, 0.0f, 0, 1, 0}; /* narrow last tiles */
+  run_case(MM_WMODE_G32_FP8, &s6);
   run_case(MM_WMODE_G16_BF16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s1);
   run_case(MM_WMODE_G32_F16_EXACT, &s2);
