@@ -74,4 +74,29 @@ static inline int bench_arg_int_list(const char *opt, const char *v, long lo, lo
   return 0;
 }
 
+/* A layer-shaped benchmark's options: [--experts E] [--hidden H] [--inter
+ * I] [--reps N], the shapes multiples of 128. The values passed in are the
+ * defaults. Returns 0, or 2 (the exit code) after saying why. */
+static inline int bench_layer_args(int argc, char **argv, int *E, int *H, int *I, int *reps,
+                                   int max_reps) {
+  for (int i = 1; i < argc; i += 2) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int bad;
+    if (!strcmp(a, "--experts")) bad = bench_arg_int(a, v, 1, 4096, E);
+    else if (!strcmp(a, "--hidden")) bad = bench_arg_int(a, v, 128, 65536, H);
+    else if (!strcmp(a, "--inter")) bad = bench_arg_int(a, v, 128, 65536, I);
+    else if (!strcmp(a, "--reps")) bad = bench_arg_int(a, v, 1, max_reps, reps);
+    else {
+      fprintf(stderr, "usage: %s [--experts E] [--hidden H] [--inter I] [--reps N]\n", argv[0]);
+      return 2;
+    }
+    if (bad) return 2;
+  }
+  if (*H % 128 || *I % 128) {
+    fprintf(stderr, "--hidden and --inter must be multiples of 128\n");
+    return 2;
+  }
+  return 0;
+}
+
 #endif

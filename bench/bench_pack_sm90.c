@@ -53,23 +53,8 @@ static double median_d(double *v, int n) {
 
 int main(int argc, char **argv) {
   int E = 32, H = 6144, I = 2048, reps = 5;
-  for (int i = 1; i < argc; i += 2) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    int bad;
-    if (!strcmp(a, "--experts")) bad = bench_arg_int(a, v, 1, 4096, &E);
-    else if (!strcmp(a, "--hidden")) bad = bench_arg_int(a, v, 128, 65536, &H);
-    else if (!strcmp(a, "--inter")) bad = bench_arg_int(a, v, 128, 65536, &I);
-    else if (!strcmp(a, "--reps")) bad = bench_arg_int(a, v, 1, 1000, &reps);
-    else {
-      fprintf(stderr, "usage: %s [--experts E] [--hidden H] [--inter I] [--reps N]\n", argv[0]);
-      return 2;
-    }
-    if (bad) return 2;
-  }
-  if (H % 128 || I % 128) {
-    fprintf(stderr, "--hidden and --inter must be multiples of 128\n");
-    return 2;
-  }
+  const int bad_args = bench_layer_args(argc, argv, &E, &H, &I, &reps, 1000);
+  if (bad_args) return bad_args;
   if (!bench_have_gpu("bench_pack_sm90")) return 77;
   struct cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
