@@ -8,6 +8,8 @@
  * one the host packer reports. */
 #include <cuda_runtime.h>
 
+#include <math.h> /* before the C headers' extern "C" block */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -23,6 +23,12 @@
 #include "layout_sm90.h"
 #include "qmat.h"
 
+/* The anchor and fold decisions compare floats and scale them by powers of
+ * two: IEEE behaviour (no flush to zero, exact ldexpf) is assumed. */
+#if defined(__CUDA_ARCH__) && defined(__USE_FAST_MATH__)
+#error "layout_sm90_pack_rules.h needs IEEE float behaviour: build without --use_fast_math"
+#endif
+
 #define MM_SM90P_KRANGE (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1)
 /* a row without a row anchor */
 #define MM_SM90P_NO_ANCHOR (-0x7fffffff - 1)
