@@ -32,8 +32,10 @@ extern "C" {
 typedef struct mm_sm90_layer mm_sm90_layer;
 
 /* Builds the device layout from canonical host matrices (one per local
- * expert), on `stream` (cudaStream_t). Fails with a clear message (naming the
- * expert and group) if a scale cannot be represented exactly in `mode`. */
+ * expert), on `stream` (cudaStream_t), packed on the GPU or on the host's
+ * cores (MEGAMOE_SM90_PACK; the same bytes). Fails with a clear message
+ * (naming the expert and group) if a scale cannot be represented exactly
+ * in `mode`. */
 mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                              mm_weight_mode mode, void *stream,
                              mm_sm90_layer **out);
