@@ -106,33 +106,32 @@ __global__ void __launch_bounds__(64) record_kernel(const mm_sm90_pack_tables *T
   }
 }
 
-size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
-
 /* The scratch of one matrix slot: the source copy and the per-row and
- * per-record arrays, at 256-byte aligned offsets. */
+ * per-record arrays its record mode uses, at 256-byte aligned offsets. */
 struct SlotPlan {
   size_t codes, scales, row_scale, nz, stops, anchor, fault, fold, bytes;
 };
-SlotPlan slot_plan(const mm_qmat *m) {
+SlotPlan slot_plan(const mm_qmat *m, mm_weight_mode rmode) {
   const size_t rows = (size_t)m->rows, recs = rows / 64 * (size_t)(m->cols / 128);
+  const int g32 = rmode == MM_WMODE_G32_FP8, anchors = rmode != MM_WMODE_G16_BF16_EXACT;
   SlotPlan p;
   size_t off = 0;
   p.codes = off;
-  off += align256(rows * (size_t)m->cols / 2);
+  off += mm_sm90_align256(rows * (size_t)m->cols / 2);
   p.scales = off;
-  off += align256(rows * (size_t)(m->cols / m->gran));
+  off += mm_sm90_align256(rows * (size_t)(m->cols / m->gran));
   p.row_scale = off;
-  off += align256(sizeof(float) * rows);
-  p.nz = off;
-  off += align256(rows * (size_t)(m->cols / 32));
-  p.stops = off;
-  off += align256(rows * (size_t)(m->cols / 128));
-  p.anchor = off;
-  off += align256(sizeof(int32_t) * rows);
+  off += mm_sm90_align256(sizeof(float) * rows);
+  p.nz = off; /* mode 1 */
+  off += g32 ? mm_sm90_align256(rows * (size_t)(m->cols / 32)) : 0;
+  p.stops = off; /* mode 1 */
+  off += g32 ? mm_sm90_align256(rows * (size_t)(m->cols / 128)) : 0;
+  p.anchor = off; /* modes 1 and 3 */
+  off += anchors ? mm_sm90_align256(sizeof(int32_t) * rows) : 0;
   p.fault = off;
-  off += align256(sizeof(mm_sm90p_fault) * recs);
-  p.fold = off;
-  off += align256(2 * sizeof(double) * recs);
+  off += mm_sm90_align256(sizeof(mm_sm90p_fault) * recs);
+  p.fold = off; /* mode 3 */
+  off += rmode == MM_WMODE_G16_FP8 ? mm_sm90_align256(2 * sizeof(double) * recs) : 0;
   p.bytes = off;
   return p;
 }
@@ -200,10 +199,10 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
   double fold[2] = {fold_err ? fold_err[0] : 0.0, fold_err ? fold_err[1] : 0.0};
   if (n_ok == 0) goto checked;
   /* a refused w2 is not looked at (its group size may be anything) */
-  p13 = slot_plan(w13);
+  p13 = slot_plan(w13, rmode);
   recs13 = (size_t)(w13->rows / 64) * (size_t)(w13->cols / 128);
   if (n_ok > 1) {
-    p2 = slot_plan(w2);
+    p2 = slot_plan(w2, rmode);
     recs2 = (size_t)(w2->rows / 64) * (size_t)(w2->cols / 128);
   }
   (void)cudaGetLastError(); /* a launch error below is ours */
@@ -242,7 +241,7 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       M.stops = rmode == MM_WMODE_G32_FP8 ? base + sp.stops : NULL;
       M.anchor = rmode == MM_WMODE_G16_BF16_EXACT ? NULL : (int32_t *)(base + sp.anchor);
       M.fault = (mm_sm90p_fault *)(base + sp.fault);
-      M.fold = (double *)(base + sp.fold);
+      M.fold = rmode == MM_WMODE_G16_FP8 ? (double *)(base + sp.fold) : NULL;
       M.row0 = rows;
       M.rec0 = recs;
       rows += m->rows;

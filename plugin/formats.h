@@ -25,6 +25,11 @@ static inline void mm_fp4_set(uint8_t *row, size_t k, uint8_t code) {
 float mm_e4m3_to_float(uint8_t b);
 /* Round to nearest even, saturating to +-448; NaN -> 0x7F (as cvt.rn.satfinite). */
 uint8_t mm_float_to_e4m3(float x);
+/* Also device code: the packing steps (layout_sm90_pack_rules.h) test
+ * scale bytes with it on the GPU. */
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
 static inline int mm_e4m3_is_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
 
 /* UE8M0: 2^(b-127); 0xFF is NaN. */

@@ -171,8 +171,6 @@ MM_SM90_HD int mm_sm90p_g32_row_scales(const uint8_t *s, const uint8_t nz[4], in
 
 /* ---- mode 3 (gran 16, E4M3 folded) ---------------------------------------- */
 
-MM_SM90_HD int mm_sm90p_e4m3_is_nan(uint8_t b) { return (b & 0x7F) == 0x7F; }
-
 /* The scale magnitude bytes of a block row's 8 groups (0 for a group
  * without nonzero codes) and the magnitudes present in each (bit c); -1
  * with *bad at a NaN scale. */
@@ -180,7 +178,7 @@ MM_SM90_HD int mm_sm90p_g16_block_mags(const mm_sm90_pack_tables *T, const uint8
                                        const uint8_t *codes, uint8_t mag[8], uint8_t mask[8],
                                        int *bad) {
   for (int g = 0; g < 8; g++) {
-    if (mm_sm90p_e4m3_is_nan(s[g])) {
+    if (mm_e4m3_is_nan(s[g])) {
       *bad = g;
       return -1;
     }
@@ -332,7 +330,7 @@ MM_SM90_HD int mm_sm90p_record_row(const mm_sm90_pack_tables *T, const mm_qmat *
   *fold = 0;
   if (T->mode == MM_WMODE_G16_BF16_EXACT) {
     for (int g = 0; g < 8; g++) {
-      if (mm_sm90p_e4m3_is_nan(s[g])) {
+      if (mm_e4m3_is_nan(s[g])) {
         f->kind = MM_SM90P_FAULT_NAN_E4M3;
         f->src = src;
         f->group = kb * 8 + g;

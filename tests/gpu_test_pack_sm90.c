@@ -45,6 +45,7 @@ static pack_out run_pack(mm_expert_q *x, int E, mm_weight_mode mode, int gpu) {
   float *drs = NULL;
   if (cudaMalloc((void **)&dw, bytes) != cudaSuccess ||
       cudaMalloc((void **)&drs, sizeof(float) * nrs) != cudaSuccess) {
+    cudaFree(dw);
     o.err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "test: cudaMalloc");
     return o;
   }
