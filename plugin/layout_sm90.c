@@ -371,11 +371,6 @@ done:
   return err;
 }
 
-int mm_sm90_anchor_fits(float row_scale, int R) {
-  const float f = ldexpf(row_scale, R);
-  return isfinite(f) && ldexpf(f, -R) == row_scale;
-}
-
 float mm_sm90_weight(const uint8_t *blob, mm_weight_mode mode, int rows, int cols, int r, int k) {
   (void)rows;
   const int KB = cols / 128, lr = r & 63, kk = k & 127, G = mm_sm90_groups_per_row(mode);

@@ -14,6 +14,7 @@
 #ifndef MM_LAYOUT_SM90_H
 #define MM_LAYOUT_SM90_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -477,8 +478,11 @@ mm_err *mm_sm90_pack_matrix(const mm_qmat *m, mm_weight_mode mode, int gate_up, 
                             float *row_scale, double fold_err[2]);
 
 /* Whether a row factor can carry a row anchor 2^R: row_scale * 2^R finite
- * and exact in FP32 (both packers' row anchors, modes 1 and 3). */
-int mm_sm90_anchor_fits(float row_scale, int R);
+ * and exact in FP32 (every packer's row anchors, modes 1 and 3). */
+MM_SM90_HD int mm_sm90_anchor_fits(float row_scale, int R) {
+  const float f = ldexpf(row_scale, R);
+  return isfinite(f) && ldexpf(f, -R) == row_scale;
+}
 
 /* The weight the kernels use at layout row r, column k, without the row
  * factor: mode 1/3 E4M3 fold byte * 2^ref, mode 2 e2m1 * E4M3 scale. */

@@ -63,11 +63,6 @@ typedef struct mm_sm90p_fault {
   int32_t kind, src, group, byte, kb, emin, emax, lr;
 } mm_sm90p_fault;
 
-MM_SM90_HD int mm_sm90p_anchor_fits(float row_scale, int R) {
-  const float f = ldexpf(row_scale, R);
-  return isfinite(f) && ldexpf(f, -R) == row_scale;
-}
-
 /* ---- mode 1 (gran 32, UE8M0) ---------------------------------------------- */
 
 /* The nonzero magnitudes of each group of 32 of a row (bit c: magnitude c). */
@@ -125,7 +120,7 @@ MM_SM90_HD int32_t mm_sm90p_g32_row_anchor(const mm_sm90_pack_tables *T, const u
   if (!ok) return MM_SM90P_NO_ANCHOR;
   for (int gi = 0; gi < 4 * KB; gi++)
     if (nz[gi] && !mm_sm90p_g32_exact(T, nz[gi], s[gi] - 127 - best)) return MM_SM90P_NO_ANCHOR;
-  return mm_sm90p_anchor_fits(row_scale, best) ? best : MM_SM90P_NO_ANCHOR;
+  return mm_sm90_anchor_fits(row_scale, best) ? best : MM_SM90P_NO_ANCHOR;
 }
 /* The scale bytes sc[4] and reference of one row of a record: the block's
  * anchor search (stop), or with a row anchor its folds against 2^R and
@@ -234,7 +229,7 @@ MM_SM90_HD int32_t mm_sm90p_g16_row_anchor(const mm_sm90_pack_tables *T, const u
           return MM_SM90P_NO_ANCHOR;
     }
   }
-  return mm_sm90p_anchor_fits(row_scale, best) ? best : MM_SM90P_NO_ANCHOR;
+  return mm_sm90_anchor_fits(row_scale, best) ? best : MM_SM90P_NO_ANCHOR;
 }
 /* The scale bytes sc[8] (fold indexes relative to a power-of-two
  * reference, the block's own or with a row anchor 2^R and reference 0) of
