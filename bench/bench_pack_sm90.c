@@ -6,7 +6,9 @@
  * host-to-device copy of the same source bytes from pageable and from
  * pinned memory, in the same run. Medians of --reps timings after one
  * warm-up; GB/s counts the source bytes (codes + scales + row factors).
- * The GPU packer's records are compared with the host packer's.
+ * The GPU packer's records are compared with the host packer's. Also mode
+ * 1 from the group-16 layer: the group16 -> group32 requant and packing on
+ * the host's cores against both on the GPU.
  *
  *   bench_pack_sm90 [--experts E] [--hidden H] [--inter I] [--reps N]
  */
@@ -21,6 +23,7 @@
 #include "layout_sm90_pack.h"
 #include "pack_sm90.h"
 #include "parallel.h"
+#include "requant.h"
 
 static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
 static uint8_t rnd(void) {
@@ -49,6 +52,62 @@ static int cmp_d(const void *a, const void *b) {
 static double median_d(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_d);
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Mode 1 from the group-16 layer: the requant on the host's cores (as the
+ * loader runs it, statistics included) then the host packer, against the
+ * requant and packing on the GPU (upload included). Returns whether the
+ * two wrote the same records and row factors. */
+static int requant_rows(const mm_expert_q *x, int E, size_t src, int reps, double *t,
+                        cudaStream_t st) {
+  const int H = x[0].w13.cols, I = x[0].w2.cols;
+  const mm_weight_mode mode = MM_WMODE_G32_FP8;
+  const size_t bytes = (size_t)E * (mm_sm90_matrix_bytes(mode, 2 * I, H) + mm_sm90_matrix_bytes(mode, H, I));
+  const size_t nrs = (size_t)E * (size_t)(2 * I + H);
+  uint8_t *hw = malloc(bytes), *gw = malloc(bytes), *dw = NULL;
+  float *hrs = malloc(sizeof(float) * nrs), *grs = malloc(sizeof(float) * nrs), *drs = NULL;
+  mm_expert_q *q = calloc((size_t)E, sizeof *q);
+  mm_requant_stats *stats = calloc(3 * (size_t)E, sizeof *stats);
+  CK(cudaMalloc((void **)&dw, bytes));
+  CK(cudaMalloc((void **)&drs, sizeof(float) * nrs));
+  const mm_sm90_requant rq = {0, 1e30, stats};
+  for (int gpu = 0; gpu < 2; gpu++) {
+    for (int r = -1; r < reps; r++) {
+      double fold[2] = {0.0, 0.0};
+      const double t0 = now_ms();
+      if (gpu) {
+        OK(mm_sm90_pack_experts_gpu(x, E, 0, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I), fold,
+                                    &rq, st));
+      } else {
+        for (int e = 0; e < E; e++) {
+          mm_qmat_free(&q[e].w13);
+          mm_qmat_free(&q[e].w2);
+          OK(mm_requant_qmat(&x[e].w13, 0, &q[e].w13, &stats[3 * e]));
+          OK(mm_requant_qmat(&x[e].w2, 0, &q[e].w2, &stats[3 * e + 2]));
+        }
+        OK(mm_sm90_pack_experts(q, E, 0, mode, 0, hw, hrs, hrs + (size_t)E * (size_t)(2 * I), fold));
+      }
+      if (r >= 0) t[r] = now_ms() - t0;
+    }
+    const double ms = median_d(t, reps);
+    printf("| 1 from group 16 | %s | %.2f | %.1f |\n",
+           gpu ? "GPU requant and packer (upload included)"
+               : "host requant and packer, all cores (no upload)",
+           ms, src / (ms * 1e6));
+  }
+  CK(cudaMemcpy(gw, dw, bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(grs, drs, sizeof(float) * nrs, cudaMemcpyDeviceToHost));
+  const int same = memcmp(hw, gw, bytes) == 0 && memcmp(hrs, grs, sizeof(float) * nrs) == 0;
+  printf("| 1 from group 16 | records and row factors of the two | %s | |\n",
+         same ? "identical" : "DIFFER");
+  CK(cudaFree(dw));
+  CK(cudaFree(drs));
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&q[e].w13);
+    mm_qmat_free(&q[e].w2);
+  }
+  free(q), free(stats), free(hw), free(gw), free(hrs), free(grs);
+  return same;
 }
 
 int main(int argc, char **argv) {
@@ -115,7 +174,8 @@ int main(int argc, char **argv) {
           double fold[2] = {0.0, 0.0};
           const double t0 = now_ms();
           if (gpu)
-            OK(mm_sm90_pack_experts_gpu(x, E, 0, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I), fold, st));
+            OK(mm_sm90_pack_experts_gpu(x, E, 0, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I), fold,
+                                        NULL, st));
           else
             OK(mm_sm90_pack_experts(x, E, 0, mode, 0, hw, hrs, hrs + (size_t)E * (size_t)(2 * I), fold));
           if (r >= 0) t[r] = now_ms() - t0;
@@ -135,6 +195,7 @@ int main(int argc, char **argv) {
       CK(cudaFree(drs));
       free(hw), free(gw), free(hrs), free(grs);
     }
+    if (!g32) all_same &= requant_rows(x, E, src, reps, t, st);
     for (int e = 0; e < E; e++) {
       mm_qmat_free(&x[e].w13);
       mm_qmat_free(&x[e].w2);

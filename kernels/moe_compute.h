@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "layout_sm90.h"
+#include "pack_sm90.h"
 #include "qmat.h"
 #include "status.h"
 
@@ -39,6 +40,17 @@ typedef struct mm_sm90_layer mm_sm90_layer;
 mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                              mm_weight_mode mode, void *stream,
                              mm_sm90_layer **out);
+/* The same from group-16 experts that mode (1 or 4) takes after a group16
+ * -> group32 requant, which runs on the GPU while the layer is packed there
+ * (mm_sm90_pack_experts_gpu's `requant`: statistics, limit, messages).
+ * Needs the GPU packer: FAILED_PRECONDITION where mm_sm90_packs_on_gpu(mode)
+ * is 0. */
+mm_err *mm_sm90_layer_create_requant(const mm_expert_q *experts, int num_local,
+                                     mm_weight_mode mode, const mm_sm90_requant *requant,
+                                     void *stream, mm_sm90_layer **out);
+/* 1 when mm_sm90_layer_create packs mode's layers on the GPU (the default
+ * for the FP8 modes and mode 4; MEGAMOE_SM90_PACK), 0 on the host. */
+int mm_sm90_packs_on_gpu(mm_weight_mode mode);
 void mm_sm90_layer_destroy(mm_sm90_layer *layer);
 /* compute.prefill-path: allow (1, the default) or forbid (0) mode 1's
  * prefill path (moe_sm90_prefill.cu) for this layer; forbidden, its

@@ -88,12 +88,25 @@ static int host_pack_chosen(mm_weight_mode mode) {
   return mm_sm90_record_mode(mode) == MM_WMODE_G16_BF16_EXACT;
 }
 
+extern "C" int mm_sm90_packs_on_gpu(mm_weight_mode mode) { return !host_pack_chosen(mode); }
+
 extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_local,
                                         mm_weight_mode mode, void *stream,
                                         mm_sm90_layer **out) {
+  return mm_sm90_layer_create_requant(experts, num_local, mode, NULL, stream, out);
+}
+
+extern "C" mm_err *mm_sm90_layer_create_requant(const mm_expert_q *experts, int num_local,
+                                                mm_weight_mode mode,
+                                                const mm_sm90_requant *requant, void *stream,
+                                                mm_sm90_layer **out) {
   *out = NULL;
   if (num_local <= 0 || !experts)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT, "sm90 layer: %d local experts", num_local);
+  if (requant && host_pack_chosen(mode))
+    return mm_error(MEGAMOE_CODE_FAILED_PRECONDITION,
+                    "sm90 layer: the requant on the GPU needs the GPU packer (MEGAMOE_SM90_PACK "
+                    "chooses the host's)");
   const int H = experts[0].w13.cols, I = experts[0].w2.cols;
   for (int e = 0; e < num_local; e++) {
     const mm_expert_q *x = &experts[e];
@@ -147,7 +160,7 @@ extern "C" mm_err *mm_sm90_layer_create(const mm_expert_q *experts, int num_loca
     /* The canonical matrices go up a few experts at a time and the GPU
      * packs them (pack_sm90.cu): same bytes as the host packer. */
     err = mm_sm90_pack_experts_gpu(experts, num_local, 0, mode, L->d_w, L->d_rs13, L->d_rs2,
-                                   fold, st);
+                                   fold, requant, st);
     if (err) goto fail;
   } else {
     /* Host packing on all cores into two staging buffers (pinned when

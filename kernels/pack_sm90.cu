@@ -10,12 +10,14 @@
 
 #include <math.h> /* before the C headers' extern "C" block */
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 extern "C" {
 #include "layout_sm90_pack.h"
 #include "pack_sm90.h"
+#include "prep.h"
 }
 
 namespace {
@@ -106,12 +108,21 @@ __global__ void __launch_bounds__(64) record_kernel(const mm_sm90_pack_tables *T
   }
 }
 
+__global__ void fill_ones(float *x, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = 1.0f;
+}
+
 /* The scratch of one matrix slot: the source copy and the per-row and
- * per-record arrays its record mode uses, at 256-byte aligned offsets. */
+ * per-record arrays its record mode uses, at 256-byte aligned offsets; with
+ * a requant, the group-16 source before them and the requant's row
+ * statistics and status word. m: the matrix as packed (group 32 after a
+ * requant). */
 struct SlotPlan {
-  size_t codes, scales, row_scale, nz, stops, anchor, fault, fold, bytes;
+  size_t codes, scales, row_scale, nz, stops, anchor, fault, fold;
+  size_t src_codes, src_scales, src_row_scale, row_stats, status, bytes;
 };
-SlotPlan slot_plan(const mm_qmat *m, mm_weight_mode rmode) {
+SlotPlan slot_plan(const mm_qmat *m, mm_weight_mode rmode, int requant) {
   const size_t rows = (size_t)m->rows, recs = rows / 64 * (size_t)(m->cols / 128);
   const int g32 = rmode == MM_WMODE_G32_FP8, anchors = rmode != MM_WMODE_G16_BF16_EXACT;
   SlotPlan p;
@@ -132,6 +143,16 @@ SlotPlan slot_plan(const mm_qmat *m, mm_weight_mode rmode) {
   off += mm_sm90_align256(sizeof(mm_sm90p_fault) * recs);
   p.fold = off; /* mode 3 */
   off += rmode == MM_WMODE_G16_FP8 ? mm_sm90_align256(2 * sizeof(double) * recs) : 0;
+  p.src_codes = off;
+  off += requant ? mm_sm90_align256(rows * (size_t)m->cols / 2) : 0;
+  p.src_scales = off;
+  off += requant ? mm_sm90_align256(rows * (size_t)(m->cols / 16)) : 0;
+  p.src_row_scale = off;
+  off += requant ? mm_sm90_align256(sizeof(float) * rows) : 0;
+  p.row_stats = off;
+  off += requant ? mm_sm90_align256(3 * sizeof(double) * rows) : 0;
+  p.status = off;
+  off += requant ? 256 : 0;
   p.bytes = off;
   return p;
 }
@@ -158,58 +179,118 @@ mm_err *cuda_err(cudaError_t ce, const char *what) {
  * ms a GLM-5 layer against 92-116; docs/PERF.md "GPU packing"). */
 const int kChunk = 4;
 
+/* The matrix as the packer sees it: after a requant, group 32 with UE8M0
+ * scales (its row_scale then 1). */
+mm_qmat as_packed(const mm_qmat *m, int requant) {
+  mm_qmat d = *m;
+  if (requant) {
+    d.gran = 32;
+    d.sf = MM_SF_UE8M0;
+  }
+  return d;
+}
+
+/* The requant's statistics of one matrix (w13: gate then up; w2: down) from
+ * its row statistics, each row added in order as mm_requant_g16_to_g32
+ * adds them, and its errors in the loader's order: a non-finite value
+ * (cannot pass the loader's checks; kept for any other caller), then each
+ * projection over the limit. */
+mm_err *requant_result(const mm_qmat *m, int w, int expert, uint32_t status,
+                       const double *row_stats, const mm_sm90_requant *rq,
+                       mm_requant_stats *out /* [2] for w13, [1] for w2 */) {
+  static const char *const kProj[3] = {"gate_proj", "up_proj", "down_proj"};
+  const int parts = w ? 1 : 2, prows = m->rows / parts, groups = m->cols / 32;
+  char name[96];
+  if (status != MM_GPU_STATUS_OK) {
+    const int r = (int)(status / (uint32_t)groups), g = (int)(status % (uint32_t)groups);
+    const uint8_t *sc = m->scales + (size_t)r * (size_t)(m->cols / 16) + 2 * (size_t)g;
+    return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                    "experts.%d.%s: row %d, elements %d..%d: non-finite source value (scale "
+                    "bytes 0x%02x 0x%02x, global %g)",
+                    expert, kProj[w ? 2 : r / prows], r % prows, 32 * g, 32 * g + 31, sc[0],
+                    sc[1], (double)m->row_scale[r]);
+  }
+  for (int q = 0; q < parts; q++) {
+    mm_requant_stats acc = {};
+    for (int r = q * prows; r < (q + 1) * prows; r++) {
+      const mm_requant_stats one = {row_stats[3 * (size_t)r], row_stats[3 * (size_t)r + 1],
+                                    row_stats[3 * (size_t)r + 2], 0.0, m->cols};
+      mm_requant_stats_merge(&acc, &one);
+    }
+    out[q] = acc;
+    snprintf(name, sizeof name, "experts.%d.%s", expert, kProj[w ? 2 : q]);
+    MM_TRY(mm_requant_limit_error(name, &acc, rq->max_rel_error));
+  }
+  return NULL;
+}
+
 } // namespace
 
 extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int count, int index_base,
                                             mm_weight_mode mode, uint8_t *dst, float *rs13,
-                                            float *rs2, double fold_err[2], void *stream) {
+                                            float *rs2, double fold_err[2],
+                                            const mm_sm90_requant *rq, void *stream) {
   MM_ARG_CHECK(experts && count > 0 && dst && rs13 && rs2, "sm90 pack: %d experts", count);
   MM_ARG_CHECK(((uintptr_t)dst & 3) == 0 && ((uintptr_t)rs13 & 3) == 0 && ((uintptr_t)rs2 & 3) == 0,
                "sm90 GPU pack: outputs must be 4-byte aligned");
+  const int requant = rq != NULL;
+  MM_ARG_CHECK(!requant || rq->stats, "sm90 GPU pack: a requant needs its statistics array");
   const mm_qmat *w13 = &experts[0].w13, *w2 = &experts[0].w2;
   for (int e = 1; e < count; e++)
     MM_ARG_CHECK(experts[e].w13.rows == w13->rows && experts[e].w13.cols == w13->cols &&
                      experts[e].w2.rows == w2->rows && experts[e].w2.cols == w2->cols,
                  "sm90 pack: local expert %d has other shapes than expert %d", index_base + e,
                  index_base);
+  for (int i = 0; i < 2 * count && requant; i++) {
+    const mm_qmat *m = i % 2 ? &experts[i / 2].w2 : &experts[i / 2].w13;
+    MM_ARG_CHECK(m->gran == 16 && m->cols % 32 == 0 && (i % 2 || m->rows % 2 == 0),
+                 "sm90 GPU pack: requant of local expert %d %s: needs group 16 and cols %% 32 "
+                 "== 0 (gran %d, [%d, %d])",
+                 index_base + i / 2, i % 2 ? "w2" : "w13", m->gran, m->rows, m->cols);
+  }
   /* A matrix the host packer would refuse: pack only the ones before it;
    * their faults come first, as there. */
   const int nmat = 2 * count;
   int n_ok = nmat;
   mm_err *check_err = NULL;
   for (int i = 0; i < nmat && !check_err; i++) {
-    const mm_qmat *m = i % 2 ? &experts[i / 2].w2 : &experts[i / 2].w13;
-    if ((check_err = mm_sm90_check_matrix(m, mode, i % 2 == 0))) n_ok = i;
+    const mm_qmat m = as_packed(i % 2 ? &experts[i / 2].w2 : &experts[i / 2].w13, requant);
+    if ((check_err = mm_sm90_check_matrix(&m, mode, i % 2 == 0))) n_ok = i;
   }
   cudaStream_t st = (cudaStream_t)stream;
   const mm_weight_mode rmode = mm_sm90_record_mode(mode); /* mode 4: mode 1's records */
   const size_t b13 = mm_sm90_matrix_bytes(rmode, w13->rows, w13->cols);
   const size_t b2 = mm_sm90_matrix_bytes(rmode, w2->rows, w2->cols);
   const int chunk = count < kChunk ? count : kChunk;
+  const mm_qmat p13m = as_packed(w13, requant), p2m = as_packed(w2, requant);
   mm_err *err = NULL;
   mm_sm90_pack_tables *T = NULL, *d_T = NULL;
   PackMat *d_mats = NULL;
   uint8_t *scratch = NULL;
   mm_sm90p_fault *faults = NULL;
-  double *folds = NULL;
+  double *folds = NULL, *row_stats = NULL;
+  uint32_t status[2 * kChunk];
   SlotPlan p13 = {}, p2 = {};
   size_t recs13 = 0, recs2 = 0;
   int failed = -1;
   /* the fold sums, added matrix by matrix as the host packer adds them */
   double fold[2] = {fold_err ? fold_err[0] : 0.0, fold_err ? fold_err[1] : 0.0};
+  if (requant) memset(rq->stats, 0, sizeof(mm_requant_stats) * 3 * (size_t)count);
   if (n_ok == 0) goto checked;
   /* a refused w2 is not looked at (its group size may be anything) */
-  p13 = slot_plan(w13, rmode);
+  p13 = slot_plan(&p13m, rmode, requant);
   recs13 = (size_t)(w13->rows / 64) * (size_t)(w13->cols / 128);
   if (n_ok > 1) {
-    p2 = slot_plan(w2, rmode);
+    p2 = slot_plan(&p2m, rmode, requant);
     recs2 = (size_t)(w2->rows / 64) * (size_t)(w2->cols / 128);
   }
   (void)cudaGetLastError(); /* a launch error below is ours */
   T = (mm_sm90_pack_tables *)malloc(sizeof *T);
   faults = (mm_sm90p_fault *)malloc(sizeof(mm_sm90p_fault) * (recs13 + recs2) * (size_t)chunk);
   folds = (double *)malloc(2 * sizeof(double) * (recs13 + recs2) * (size_t)chunk);
-  if (!T || !faults || !folds) {
+  if (requant)
+    row_stats = (double *)malloc(3 * sizeof(double) * (size_t)(w13->rows + w2->rows) * (size_t)chunk);
+  if (!T || !faults || !folds || (requant && !row_stats)) {
     err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "sm90 GPU pack: out of host memory");
     goto done;
   }
@@ -223,6 +304,7 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
   CU(cudaMemcpyAsync(d_T, T, sizeof *T, cudaMemcpyHostToDevice, st), "tables upload");
   for (int e0 = 0; e0 < count && 2 * e0 < n_ok && !err; e0 += chunk) {
     PackMat mats[2 * kChunk];
+    uint8_t *bases[2 * kChunk];
     int n = 0, rows = 0, recs = 0;
     for (int i = 2 * e0; i < 2 * (e0 + chunk) && i < n_ok; i++, n++) {
       const int e = i / 2, w = i % 2;
@@ -230,7 +312,8 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       const SlotPlan &sp = w ? p2 : p13;
       uint8_t *base = scratch + (size_t)(e - e0) * (p13.bytes + p2.bytes) + (w ? p13.bytes : 0);
       PackMat &M = mats[n];
-      M.m = *m;
+      bases[n] = base;
+      M.m = as_packed(m, requant);
       M.m.codes = base + sp.codes;
       M.m.scales = base + sp.scales;
       M.m.row_scale = (float *)(base + sp.row_scale);
@@ -246,13 +329,27 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       M.rec0 = recs;
       rows += m->rows;
       recs += (m->rows / 64) * (m->cols / 128);
-      /* pageable sources: each copy returns once its bytes are staged */
-      CU(cudaMemcpyAsync(M.m.codes, m->codes, (size_t)m->rows * (size_t)m->cols / 2,
+      /* pageable sources: each copy returns once its bytes are staged; with
+       * a requant the group-16 source goes up and is requantized into the
+       * slot's canonical arrays */
+      uint8_t *up_codes = requant ? base + sp.src_codes : M.m.codes;
+      uint8_t *up_scales = requant ? base + sp.src_scales : M.m.scales;
+      float *up_rs = requant ? (float *)(base + sp.src_row_scale) : M.m.row_scale;
+      CU(cudaMemcpyAsync(up_codes, m->codes, (size_t)m->rows * (size_t)m->cols / 2,
                          cudaMemcpyHostToDevice, st), "upload of codes");
-      CU(cudaMemcpyAsync(M.m.scales, m->scales, (size_t)m->rows * (size_t)(m->cols / m->gran),
+      CU(cudaMemcpyAsync(up_scales, m->scales, (size_t)m->rows * (size_t)(m->cols / m->gran),
                          cudaMemcpyHostToDevice, st), "upload of scales");
-      CU(cudaMemcpyAsync(M.m.row_scale, m->row_scale, sizeof(float) * (size_t)m->rows,
+      CU(cudaMemcpyAsync(up_rs, m->row_scale, sizeof(float) * (size_t)m->rows,
                          cudaMemcpyHostToDevice, st), "upload of row factors");
+      if (requant) {
+        uint32_t *d_status = (uint32_t *)(base + sp.status);
+        CU(cudaMemsetAsync(d_status, 0xFF, sizeof(uint32_t), st), "requant status"); /* = MM_GPU_STATUS_OK */
+        err = mm_gpu_requant_launch(m->rows, m->cols, m->sf, up_codes, up_scales, up_rs,
+                                    M.m.codes, M.m.scales, (double *)(base + sp.row_stats),
+                                    d_status, st);
+        if (err) goto done;
+        fill_ones<<<(unsigned)((m->rows + 255) / 256), 256, 0, st>>>(M.m.row_scale, m->rows);
+      }
     }
     CU(cudaMemcpyAsync(d_mats, mats, sizeof(PackMat) * (size_t)n, cudaMemcpyHostToDevice, st),
        "matrix list upload");
@@ -260,8 +357,9 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       row_anchor_kernel<<<(unsigned)((rows + 127) / 128), 128, 0, st>>>(d_T, d_mats, n, rows);
     record_kernel<<<(unsigned)recs, 64, 0, st>>>(d_T, d_mats, n);
     CU(cudaGetLastError(), "kernel launch");
-    /* every record's fault slot and fold sums, in matrix order */
-    size_t at = 0;
+    /* every record's fault slot and fold sums, in matrix order; the
+     * requant's status and row statistics */
+    size_t at = 0, rat = 0;
     for (int k = 0; k < n; k++) {
       const size_t nr = (size_t)(mats[k].m.rows / 64) * (size_t)(mats[k].m.cols / 128);
       CU(cudaMemcpyAsync(faults + at, mats[k].fault, sizeof(mm_sm90p_fault) * nr,
@@ -269,12 +367,28 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
       if (rmode == MM_WMODE_G16_FP8)
         CU(cudaMemcpyAsync(folds + 2 * at, mats[k].fold, 2 * sizeof(double) * nr,
                            cudaMemcpyDeviceToHost, st), "fold read-back");
+      if (requant) {
+        const SlotPlan &sp = k % 2 ? p2 : p13;
+        CU(cudaMemcpyAsync(&status[k], bases[k] + sp.status, sizeof(uint32_t),
+                           cudaMemcpyDeviceToHost, st), "requant status read-back");
+        CU(cudaMemcpyAsync(row_stats + 3 * rat, bases[k] + sp.row_stats,
+                           3 * sizeof(double) * (size_t)mats[k].m.rows, cudaMemcpyDeviceToHost, st),
+           "requant statistics read-back");
+      }
       at += nr;
+      rat += (size_t)mats[k].m.rows;
     }
     CU(cudaStreamSynchronize(st), "packing");
-    at = 0;
+    at = rat = 0;
     for (int k = 0; k < n && !err; k++) {
+      const int e = e0 + k / 2, w = k % 2;
       const size_t nr = (size_t)(mats[k].m.rows / 64) * (size_t)(mats[k].m.cols / 128);
+      if (requant) {
+        const mm_qmat *m = w ? &experts[e].w2 : &experts[e].w13;
+        err = requant_result(m, w, rq->first_expert + e, status[k], row_stats + 3 * rat, rq,
+                             rq->stats + 3 * (size_t)e + (w ? 2 : 0));
+        if (err) break; /* names its tensor */
+      }
       double e2 = 0.0, r2 = 0.0;
       for (size_t q = 0; q < nr; q++) {
         const mm_sm90p_fault *f = &faults[at + q];
@@ -295,6 +409,7 @@ extern "C" mm_err *mm_sm90_pack_experts_gpu(const mm_expert_q *experts, int coun
         fold[1] += r2;
       }
       at += nr;
+      rat += (size_t)mats[k].m.rows;
     }
   }
 checked:
@@ -319,5 +434,6 @@ done:
   free(T);
   free(faults);
   free(folds);
+  free(row_stats);
   return err;
 }

@@ -8,6 +8,7 @@
 
 #include "config.h"
 #include "qmat.h"
+#include "requant.h"
 #include "status.h"
 
 typedef struct mm_op mm_op;
@@ -60,6 +61,17 @@ typedef struct mm_backend_ops {
   /* Optional: the op refused an execute (`why`) before the backend saw it;
    * with peers the backend takes the op out of the group (fatal). */
   void (*refuse_step)(mm_op *op, mm_err *why);
+  /* Optional, both or neither: the backend runs requant.policy's group16 ->
+   * group32 requant itself (on the GPU, while it packs the layer).
+   * requants_itself says whether it will for this op's next layer; if so
+   * the op loads the layer unrequantized (MM_LOAD_DEFER_REQUANT) and calls
+   * prepare_layer_requant instead of prepare_layer: the same contract, for
+   * group-16 experts, plus the requant, each tensor's statistics written
+   * to stats[3 * num_local] (gate, up, down of each expert) and a tensor
+   * above requant.max-rel-error refused with the loader's message. */
+  int (*requants_itself)(mm_op *op);
+  mm_err *(*prepare_layer_requant)(mm_op *op, int layer, mm_expert_q *experts, int num_local,
+                                   mm_requant_stats *stats, void *stream);
 } mm_backend_ops;
 
 

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "cuda_arch.h"
 #include "dispatch_choice.h"
@@ -150,15 +151,19 @@ static mm_weight_mode choose_mode(mm_op *op, int gran) {
   return ch.mode;
 }
 
-static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, int num_local,
-                                  void *stream) {
+/* prepare_layer and prepare_layer_requant (stats not NULL: group-16
+ * experts, requantized to group 32 on the GPU while packed). */
+static mm_err *prepare(mm_op *op, int layer, mm_expert_q *experts, int num_local,
+                       mm_requant_stats *stats, void *stream) {
   cuda_state *s = state_of(op);
   mm_err *err = cuda_err(cudaSetDevice(op->device), "cudaSetDevice");
   mm_sm90_layer *L = NULL;
   if (!err) {
-    int gran = experts && num_local > 0 ? experts[0].w13.gran : 0;
+    int gran = stats ? 32 : experts && num_local > 0 ? experts[0].w13.gran : 0;
     const mm_weight_mode wm = choose_mode(op, gran);
-    err = mm_sm90_layer_create(experts, num_local, wm, stream ? stream : (void *)s->stream, &L);
+    const mm_sm90_requant rq = {op->first_local_expert, op->cfg.requant_max_rel_error, stats};
+    err = mm_sm90_layer_create_requant(experts, num_local, wm, stats ? &rq : NULL,
+                                       stream ? stream : (void *)s->stream, &L);
     if (!err)
       mm_sm90_layer_set_prefill(L, op->cfg.compute_prefill_path != MM_PREFILL_OFF,
                                 op->cfg.compute_prefill_experts);
@@ -169,6 +174,26 @@ static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, in
   op->layers[layer].experts = NULL;
   op->layers[layer].backend_layer = L;
   return NULL;
+}
+
+static mm_err *cuda_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, int num_local,
+                                  void *stream) {
+  return prepare(op, layer, experts, num_local, NULL, stream);
+}
+
+static mm_err *cuda_prepare_layer_requant(mm_op *op, int layer, mm_expert_q *experts,
+                                          int num_local, mm_requant_stats *stats, void *stream) {
+  return prepare(op, layer, experts, num_local, stats, stream);
+}
+
+/* The requant runs on the GPU where MEGAMOE_SM90_REQUANT=gpu asks for it and
+ * the layer is packed there (docs/CONFIG.md). The default stays the host's
+ * requant until the GPU path has run on a GPU (docs/PERF.md, "GPU
+ * requant"). */
+static int cuda_requants_itself(mm_op *op) {
+  const char *v = getenv("MEGAMOE_SM90_REQUANT");
+  if (!v || strcasecmp(v, "gpu") != 0) return 0;
+  return mm_sm90_packs_on_gpu(choose_mode(op, 32));
 }
 
 static int ll_capacity(const mm_op *op, int max_tokens) {
@@ -377,4 +402,5 @@ static void cuda_last_step(mm_op *op, mm_step_stats *out) {
 const mm_backend_ops mm_backend_cuda = {
     "cuda", cuda_init, cuda_prepare_layer, cuda_plan, cuda_execute, cuda_destroy,
     cuda_release_layer, mm_cuda_check, cuda_last_step, cuda_refuse_step,
+    cuda_requants_itself, cuda_prepare_layer_requant,
 };

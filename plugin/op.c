@@ -247,6 +247,7 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
   mm_err *err = NULL;
   mm_requant_report report;
   memset(&report, 0, sizeof report);
+  mm_requant_stats *requant_stats = NULL; /* the backend's requant, when it runs one */
   mm_tensor_view *views = calloc(args->num_tensors + 1, sizeof *views);
   void **host_copies = calloc(args->num_tensors + 1, sizeof *host_copies);
   mm_expert_q *experts = calloc((size_t)op->num_local_experts, sizeof *experts);
@@ -285,10 +286,17 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
 #endif
     }
   }
-  if ((err = mm_weights_load_layer(&op->cfg, views, args->num_tensors, op->first_local_expert,
-                                   op->num_local_experts, experts, &report)))
+  /* A backend that requantizes on the GPU gets the layer unrequantized. */
+  const int backend_requant = op->backend->requants_itself &&
+                              op->backend->prepare_layer_requant &&
+                              op->backend->requants_itself(op);
+  if ((err = mm_weights_load_layer_ex(&op->cfg, views, args->num_tensors, op->first_local_expert,
+                                      op->num_local_experts,
+                                      backend_requant ? MM_LOAD_DEFER_REQUANT : 0, experts,
+                                      &report)))
     goto done;
-  int gran = experts[0].w13.gran;
+  double t_loaded = now_seconds();
+  int gran = report.gran;
   if (op->resolved_gran_k && gran != op->resolved_gran_k) {
     mm_experts_free(experts, op->num_local_experts);
     experts = NULL;
@@ -308,11 +316,25 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
     op->layers = grown;
     op->num_layer_slots = n;
   }
+  if (report.requant_pending &&
+      !(requant_stats = calloc((size_t)report.num_tensors, sizeof *requant_stats))) {
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "out of host memory");
+    goto done;
+  }
   release_layer(op, args->layer);
-  if ((err = op->backend->prepare_layer(op, args->layer, experts, op->num_local_experts,
-                                        args->stream))) {
+  err = requant_stats ? op->backend->prepare_layer_requant(op, args->layer, experts,
+                                                           op->num_local_experts, requant_stats,
+                                                           args->stream)
+                      : op->backend->prepare_layer(op, args->layer, experts,
+                                                   op->num_local_experts, args->stream);
+  if (err) {
     release_layer(op, args->layer); /* nothing half-loaded stays */
     experts = NULL;                 /* the backend freed what it took */
+    goto done;
+  }
+  if (requant_stats && (err = mm_requant_report_finish(&report, &op->cfg, requant_stats, 1))) {
+    release_layer(op, args->layer);
+    experts = NULL;
     goto done;
   }
   op->layers[args->layer].ready = 1;
@@ -326,8 +348,11 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
   args->requant_rel_rms_max = worst_rel;
   args->requant_abs_max = worst_abs;
   args->seconds = now_seconds() - t0;
-  mm_log(MEGAMOE_LOG_INFO, "layer %d: %s (%.2f s)", args->layer, report.summary, args->seconds);
+  mm_log(MEGAMOE_LOG_INFO, "layer %d: %s (%.2f s: %.2f loading, %.2f %s)", args->layer,
+         report.summary, args->seconds, t_loaded - t0, args->seconds - (t_loaded - t0),
+         requant_stats ? "requant and layout" : "layout");
 done:
+  free(requant_stats);
   mm_requant_report_free(&report);
   if (views)
     for (size_t i = 0; i < args->num_tensors; i++) free(host_copies[i]);

@@ -18,6 +18,15 @@ void mm_requant_stats_merge(mm_requant_stats *acc, const mm_requant_stats *s) {
   acc->rel_rms = acc->src_sq > 0.0 ? sqrt(acc->err_sq / acc->src_sq) : 0.0;
 }
 
+mm_err *mm_requant_limit_error(const char *name, const mm_requant_stats *st,
+                               double max_rel_error) {
+  if (!(st->rel_rms > max_rel_error)) return NULL;
+  return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
+                  "%s: group16 -> group32 requant error %.4f (relative RMS, max abs %.4g) "
+                  "exceeds requant.max-rel-error %.4f",
+                  name, st->rel_rms, st->max_abs, max_rel_error);
+}
+
 /* 2^(127 - b) as FP32 bits: exact for every byte (254 gives the subnormal 2^-127). */
 static inline float inv_scale(uint8_t b) {
   uint32_t bits = b == 254 ? 0x00400000u : (uint32_t)(254 - b) << 23;

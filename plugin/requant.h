@@ -36,6 +36,12 @@ typedef struct mm_requant_stats {
 /* acc += s (sums, max, count), then recomputes acc->rel_rms. */
 void mm_requant_stats_merge(mm_requant_stats *acc, const mm_requant_stats *s);
 
+/* NULL when st's relative RMS is at most max_rel_error (requant.max-rel-error),
+ * else INVALID_ARGUMENT naming `name` ("experts.3.up_proj"): the loader's
+ * words, wherever the requant ran. */
+mm_err *mm_requant_limit_error(const char *name, const mm_requant_stats *st,
+                               double max_rel_error);
+
 /* A group-16 source matrix, rows x cols (cols % 32 == 0), raw arrays. */
 typedef struct mm_g16_source {
   int rows, cols;

@@ -392,7 +392,9 @@ typedef struct {
   const mm_config *cfg;
   const expert_views *ev;
   int first_expert, H, I;
-  int requant, src_gran, out_gran, inner_threads;
+  int requant;  /* group16 -> group32 here, on the host */
+  int deferred; /* the same requant, left to the caller (MM_LOAD_DEFER_REQUANT) */
+  int src_gran, out_gran, inner_threads;
   mm_scale_format src_sf, out_sf;
   const char *first_name;
   mm_expert_q *out;        /* [num_local] */
@@ -509,11 +511,7 @@ static mm_err *load_expert(const layer_job *j, int le) {
     mm_tensor_report *tr = &j->trep[3 * le + p];
     tr->rel_rms = st->rel_rms;
     tr->max_abs = st->max_abs;
-    if (st->rel_rms > j->cfg->requant_max_rel_error)
-      err = mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
-                     "%s: group16 -> group32 requant error %.4f (relative RMS, max abs %.4g) "
-                     "exceeds requant.max-rel-error %.4f",
-                     pname[p], st->rel_rms, st->max_abs, j->cfg->requant_max_rel_error);
+    err = mm_requant_limit_error(pname[p], st, j->cfg->requant_max_rel_error);
   }
   free(rs);
   for (int p = 0; p < 3; p++) free(scale_buf[p]);
@@ -527,8 +525,8 @@ static void load_one(void *ctx, size_t le) {
 
 /* The layer's output format from its first tensor and the policy; an error
  * when they contradict each other (naming that tensor). */
-static mm_err *layer_policy(const mm_config *cfg, const char *pname, const proj_header *h,
-                            layer_job *j) {
+static mm_err *layer_policy(const mm_config *cfg, unsigned flags, const char *pname,
+                            const proj_header *h, layer_job *j) {
   const int H = cfg->model.hidden_size, I = cfg->model.moe_intermediate_size;
   const int want_requant = cfg->requant_policy == MM_REQUANT_G16_TO_G32;
   j->src_gran = h->gran;
@@ -547,27 +545,111 @@ static mm_err *layer_policy(const mm_config *cfg, const char *pname, const proj_
                     "%s.weight_scale: the checkpoint has group-32 scales but gran-k is 16 "
                     "(group 32 cannot be refined)",
                     pname);
-  j->requant = h->gran == 16 && want_requant;
+  const int requant = h->gran == 16 && want_requant;
+  j->deferred = requant && (flags & MM_LOAD_DEFER_REQUANT);
+  j->requant = requant && !j->deferred;
   j->out_gran = j->requant ? 32 : h->gran;
   j->out_sf = j->requant ? MM_SF_UE8M0 : h->sf;
-  if (j->requant && H % 32 != 0)
+  if (requant && H % 32 != 0)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "%s: requant to group 32 needs hidden size %% 32 == 0 (H = %d)", pname, H);
-  if (j->requant && I % 32 != 0)
+  if (requant && I % 32 != 0)
     return mm_error(MEGAMOE_CODE_INVALID_ARGUMENT,
                     "%s: requant to group 32 needs moe-intermediate-size %% 32 == 0 (I = %d)",
                     pname, I);
   return NULL;
 }
 
+/* In a deferred load, the error a sequential load would have met before
+ * local expert le_err's: the requant of an earlier expert over the limit.
+ * Their canonical group-16 matrices hold the source values (codes, scale
+ * bytes, row_scale = the global), so the requant from them is the one the
+ * load would have run. Runs only on the way to an error. */
+static mm_err *earlier_requant_error(const layer_job *j, int le_err) {
+  const int H = j->H, I = j->I, n = H > I ? H : I;
+  uint8_t *codes = malloc((size_t)n * (size_t)(n / 2) + 1), *scales = malloc((size_t)n * (size_t)(n / 32) + 1);
+  mm_err *err = codes && scales ? NULL
+                                : mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "weights load: out of memory");
+  for (int le = 0; le < le_err && !err; le++) {
+    char ename[48], pname[3][96];
+    proj_names(j->first_expert + le, ename, pname);
+    for (int p = 0; p < 3 && !err; p++) {
+      const mm_qmat *m = p == 2 ? &j->out[le].w2 : &j->out[le].w13;
+      const int rows = p == 2 ? H : I;
+      const size_t row0 = p == 1 ? (size_t)I : 0;
+      const mm_g16_source src = {rows, m->cols, m->sf, m->codes + row0 * (size_t)(m->cols / 2),
+                                 m->scales + row0 * (size_t)(m->cols / 16), m->row_scale + row0};
+      mm_requant_stats st;
+      err = mm_requant_g16_to_g32(&src, codes, scales, 0, &st);
+      err = err ? mm_error_wrap(err, "%s", pname[p])
+                : mm_requant_limit_error(pname[p], &st, j->cfg->requant_max_rel_error);
+    }
+  }
+  free(codes);
+  free(scales);
+  return err;
+}
+
+/* Totals and the worst tensor of a requantized layer's report. */
+static void requant_totals(mm_requant_report *r, const mm_requant_stats *stats) {
+  r->total = (mm_requant_stats){0};
+  r->worst_tensor = -1;
+  for (int i = 0; i < r->num_tensors; i++) {
+    mm_requant_stats_merge(&r->total, &stats[i]);
+    if (r->worst_tensor < 0 || r->tensors[i].rel_rms > r->tensors[r->worst_tensor].rel_rms)
+      r->worst_tensor = i;
+  }
+}
+
+/* The report's one-line summary, from its fields. */
+static void write_summary(mm_requant_report *r, const mm_config *cfg) {
+  const int num_local = r->num_tensors / 3, first = r->tensors[0].expert;
+  int o = snprintf(r->summary, sizeof r->summary, "experts %d..%d: %s", first,
+                   first + num_local - 1, r->source_format);
+  if (r->requantized && o > 0 && (size_t)o < sizeof r->summary) {
+    const mm_tensor_report *w = &r->tensors[r->worst_tensor];
+    o += snprintf(r->summary + o, sizeof r->summary - (size_t)o,
+                  " -> ue8m0-g32 requantized%s: rel RMS %.4f (worst %.4f experts.%d.%s), max "
+                  "abs err %.4g",
+                  r->requant_on_device ? " on the GPU" : "", r->total.rel_rms, w->rel_rms,
+                  w->expert, mm_proj_name(w->proj), r->total.max_abs);
+  } else if (r->source_gran == 32 && cfg->requant_policy == MM_REQUANT_G16_TO_G32 && o > 0 &&
+             (size_t)o < sizeof r->summary) {
+    o += snprintf(r->summary + o, sizeof r->summary - (size_t)o,
+                  " (already group 32, no requant)");
+  }
+  if (o <= 0 || (size_t)o >= sizeof r->summary) return;
+  const int requant = r->requantized || r->requant_pending;
+  if (r->source_sf != MM_SF_E4M3 && r->globals_differ == 0)
+    snprintf(r->summary + o, sizeof r->summary - (size_t)o, "; no global scales");
+  else if (r->globals_differ == 0)
+    snprintf(r->summary + o, sizeof r->summary - (size_t)o,
+             "; gate/up global scales equal in all %d experts", num_local);
+  else
+    snprintf(r->summary + o, sizeof r->summary - (size_t)o,
+             "; gate/up global scales differ in %d/%d experts (max ratio %.3g): %s",
+             r->globals_differ, num_local, r->globals_max_ratio,
+             requant ? "each folded into its own projection's values before requant"
+                     : "kept as per-row scales (gate rows x gate global, up rows x up global)");
+}
+
 mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensors, size_t n,
                               int first_expert, int num_local, mm_expert_q *experts_out,
                               mm_requant_report *report_out) {
+  return mm_weights_load_layer_ex(cfg, tensors, n, first_expert, num_local, 0, experts_out,
+                                  report_out);
+}
+
+mm_err *mm_weights_load_layer_ex(const mm_config *cfg, const mm_tensor_view *tensors, size_t n,
+                                 int first_expert, int num_local, unsigned flags,
+                                 mm_expert_q *experts_out, mm_requant_report *report_out) {
   MM_ARG_CHECK(cfg && experts_out && (tensors || n == 0), "weights load: NULL argument");
   MM_ARG_CHECK(num_local >= 1 && first_expert >= 0 &&
                    first_expert + num_local <= cfg->model.num_experts,
                "weights load: experts %d..%d outside model.num-experts %d", first_expert,
                first_expert + num_local - 1, cfg->model.num_experts);
+  MM_ARG_CHECK(!(flags & MM_LOAD_DEFER_REQUANT) || report_out,
+               "weights load: a deferred requant needs the report");
   const int H = cfg->model.hidden_size, I = cfg->model.moe_intermediate_size;
   MM_ARG_CHECK(H > 0 && I > 0, "weights load: model shapes H = %d, I = %d", H, I);
   memset(experts_out, 0, sizeof(*experts_out) * (size_t)num_local);
@@ -611,10 +693,10 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
   proj_header h0;
   MM_TRY_GOTO(decode_header(pname0[0], &v0, I, H, cfg->gran_k, &h0), err, fail);
   const int threads = mm_thread_count(cfg->cpu_threads);
-  layer_job job = {cfg, ev, first_expert, H, I, 0, 0, 0, 1, MM_SF_E4M3, MM_SF_E4M3, pname0[0],
+  layer_job job = {cfg, ev, first_expert, H, I, 0, 0, 0, 0, 1, MM_SF_E4M3, MM_SF_E4M3, pname0[0],
                    experts_out, trep, stats, errs};
   job.inner_threads = threads > num_local ? threads / num_local : 1;
-  if ((err = layer_policy(cfg, pname0[0], &h0, &job))) {
+  if ((err = layer_policy(cfg, flags, pname0[0], &h0, &job))) {
     /* A sequential load finishes checking that tensor first. */
     mm_qmat q;
     mm_err *data_err = mm_weights_decode_proj(pname0[0], &v0, I, H, cfg->gran_k, 1, &q, NULL);
@@ -628,21 +710,26 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
 
   /* All experts at once; the first failing one (in expert order) names the error. */
   mm_parallel_items((size_t)num_local, threads, load_one, &job);
+  int le_err = -1;
   for (int le = 0; le < num_local; le++) {
-    if (errs[le] && !err) err = errs[le];
-    else mm_error_free(errs[le]);
+    if (errs[le] && !err) {
+      err = errs[le];
+      le_err = le;
+    } else {
+      mm_error_free(errs[le]);
+    }
+  }
+  if (err && job.deferred) {
+    mm_err *earlier = earlier_requant_error(&job, le_err);
+    if (earlier) {
+      mm_error_free(err);
+      err = earlier;
+    }
   }
   if (err) goto fail;
 
-  const int requant = job.requant, src_gran = job.src_gran, out_gran = job.out_gran;
-  const mm_scale_format src_sf = job.src_sf, out_sf = job.out_sf;
-  mm_requant_stats total = {0};
-  int worst = -1, differ = 0;
+  int differ = 0;
   double max_ratio = 1.0;
-  for (int i = 0; requant && i < 3 * num_local; i++) {
-    mm_requant_stats_merge(&total, &stats[i]);
-    if (worst < 0 || trep[i].rel_rms > trep[worst].rel_rms) worst = i;
-  }
   for (int le = 0; le < num_local; le++) {
     float gg = trep[3 * le].global_scale, ug = trep[3 * le + 1].global_scale;
     if (gg != ug) {
@@ -657,41 +744,17 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
     r->num_tensors = 3 * num_local;
     r->tensors = trep;
     trep = NULL;
-    r->source_format = format_name(src_sf, src_gran);
-    r->source_gran = src_gran;
-    r->gran = out_gran;
-    r->sf = out_sf;
-    r->requantized = requant;
-    r->total = total;
-    r->worst_tensor = worst;
+    r->source_format = format_name(job.src_sf, job.src_gran);
+    r->source_gran = job.src_gran;
+    r->source_sf = job.src_sf;
+    r->gran = job.deferred ? 32 : job.out_gran;
+    r->sf = job.deferred ? MM_SF_UE8M0 : job.out_sf;
+    r->requantized = job.requant;
+    r->requant_pending = job.deferred;
     r->globals_differ = differ;
     r->globals_max_ratio = max_ratio;
-    int o = snprintf(r->summary, sizeof r->summary, "experts %d..%d: %s", first_expert,
-                     first_expert + num_local - 1, r->source_format);
-    if (requant && o > 0 && (size_t)o < sizeof r->summary)
-      o += snprintf(r->summary + o, sizeof r->summary - (size_t)o,
-                    " -> ue8m0-g32 requantized: rel RMS %.4f (worst %.4f experts.%d.%s), max "
-                    "abs err %.4g",
-                    total.rel_rms, r->tensors[worst].rel_rms, r->tensors[worst].expert,
-                    mm_proj_name(r->tensors[worst].proj), total.max_abs);
-    else if (src_gran == 32 && cfg->requant_policy == MM_REQUANT_G16_TO_G32 && o > 0 &&
-             (size_t)o < sizeof r->summary)
-      o += snprintf(r->summary + o, sizeof r->summary - (size_t)o,
-                    " (already group 32, no requant)");
-    if (o > 0 && (size_t)o < sizeof r->summary) {
-      if (src_sf != MM_SF_E4M3 && differ == 0)
-        snprintf(r->summary + o, sizeof r->summary - (size_t)o, "; no global scales");
-      else if (differ == 0)
-        snprintf(r->summary + o, sizeof r->summary - (size_t)o,
-                 "; gate/up global scales equal in all %d experts", num_local);
-      else
-        snprintf(r->summary + o, sizeof r->summary - (size_t)o,
-                 "; gate/up global scales differ in %d/%d experts (max ratio %.3g): %s", differ,
-                 num_local, max_ratio,
-                 requant ? "each folded into its own projection's values before requant"
-                         : "kept as per-row scales (gate rows x gate global, up rows x up "
-                           "global)");
-    }
+    if (job.requant) requant_totals(r, stats);
+    write_summary(r, cfg);
   }
   free(trep);
   free(stats);
@@ -707,4 +770,20 @@ fail:
   free(errs);
   if (report_out) mm_requant_report_free(report_out);
   return err;
+}
+
+mm_err *mm_requant_report_finish(mm_requant_report *r, const mm_config *cfg,
+                                 const mm_requant_stats *stats, int on_device) {
+  MM_ARG_CHECK(r && cfg && stats && r->requant_pending && r->num_tensors > 0,
+               "requant report: nothing pending");
+  for (int i = 0; i < r->num_tensors; i++) {
+    r->tensors[i].rel_rms = stats[i].rel_rms;
+    r->tensors[i].max_abs = stats[i].max_abs;
+  }
+  requant_totals(r, stats);
+  r->requantized = 1;
+  r->requant_pending = 0;
+  r->requant_on_device = on_device;
+  write_summary(r, cfg);
+  return NULL;
 }

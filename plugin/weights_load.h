@@ -53,8 +53,11 @@ typedef struct mm_requant_report {
   mm_tensor_report *tensors;   /* owned; expert-major, gate/up/down */
   const char *source_format;   /* "nvfp4-g16", "ue8m0-g16", "ue8m0-g32" */
   int source_gran, gran;       /* group size before and after */
+  mm_scale_format source_sf;   /* scale format of the checkpoint */
   mm_scale_format sf;          /* scale format of the result */
   int requantized;             /* 1 if group16 -> group32 was applied */
+  int requant_pending;         /* 1: it is due but was deferred (MM_LOAD_DEFER_REQUANT) */
+  int requant_on_device;       /* 1: mm_requant_report_finish took the GPU's statistics */
   mm_requant_stats total;      /* all requantized tensors together */
   int worst_tensor;            /* index of the largest rel_rms, -1 if none */
   int globals_differ;          /* experts whose gate and up globals differ */
@@ -81,6 +84,32 @@ mm_err *mm_weights_load_layer(const mm_config *cfg, const mm_tensor_view *tensor
                               int first_expert, int num_local,
                               mm_expert_q *experts_out /* [num_local] */,
                               mm_requant_report *report_out);
+
+/* Flags of mm_weights_load_layer_ex. */
+enum {
+  /* Where the layer needs a group16 -> group32 requant, leave it to the
+   * caller (the cuda backend runs it on the GPU while packing): the experts
+   * come back in their source format (gran 16, row_scale = the global of
+   * each row's projection), every other check done; the report says
+   * requant_pending, gran 32 and UE8M0, and its summary and statistics wait
+   * for mm_requant_report_finish. Needs report_out. Errors stay those of a
+   * sequential load: when an expert fails, the experts before it are
+   * requantized on the host to find an earlier requant error. */
+  MM_LOAD_DEFER_REQUANT = 1u
+};
+
+/* mm_weights_load_layer with flags (above). */
+mm_err *mm_weights_load_layer_ex(const mm_config *cfg, const mm_tensor_view *tensors, size_t n,
+                                 int first_expert, int num_local, unsigned flags,
+                                 mm_expert_q *experts_out, mm_requant_report *report_out);
+
+/* Completes a report whose requant was deferred, from each tensor's
+ * statistics (stats[num_tensors], expert-major, gate/up/down: what the
+ * deferred requant measured; the caller has applied requant.max-rel-error
+ * with mm_requant_limit_error): per-tensor errors, totals, the worst
+ * tensor, the summary. on_device: the summary says the GPU ran it. */
+mm_err *mm_requant_report_finish(mm_requant_report *r, const mm_config *cfg,
+                                 const mm_requant_stats *stats, int on_device);
 
 /* Splits "...experts.{E}.{proj}.{field}" ("experts." at the start or after
  * a '.'): *prefix_len (may be NULL) gets the bytes before "experts.", field

@@ -5,7 +5,9 @@
  * their additions, identical errors naming the same expert, in every mode,
  * on layers of more experts than one upload takes, with foldable and
  * unfoldable blocks, every E4M3 scale byte and NaN scales, and at GLM-5's
- * shapes. Times: bench/bench_pack_sm90. Skips without a GPU. */
+ * shapes; and the group16 -> group32 requant run on the GPU before the
+ * packing against the host's requant and packer. Times:
+ * bench/bench_pack_sm90. Skips without a GPU. */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -55,7 +57,7 @@ static pack_out run_pack(mm_expert_q *x, int E, mm_weight_mode mode, int gpu) {
   cudaStreamCreate(&st);
   cudaDeviceSynchronize();
   o.err = mm_sm90_pack_experts_gpu(x, E, 3, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I),
-                                   o.fold, st);
+                                   o.fold, NULL, st);
   cudaMemcpy(o.w, dw, bytes, cudaMemcpyDeviceToHost);
   cudaMemcpy(o.rs, drs, sizeof(float) * nrs, cudaMemcpyDeviceToHost);
   cudaStreamDestroy(st);
@@ -235,12 +237,199 @@ static void test_glm_shapes(void) {
   }
 }
 
+/* ---- the requant on the GPU ---------------------------------------------- */
+
+/* The host's requant of one group-16 expert into a group-32 one (row_scale
+ * 1), each projection on its own as the loader runs it; stats [3]. */
+static void host_requant(const mm_expert_q *src, mm_expert_q *dst, mm_requant_stats st[3]) {
+  const int I = src->w2.cols, H = src->w2.rows;
+  CHECK(mm_qmat_alloc(&dst->w13, 2 * I, H, 32, MM_SF_UE8M0) == 0);
+  CHECK(mm_qmat_alloc(&dst->w2, H, I, 32, MM_SF_UE8M0) == 0);
+  for (int p = 0; p < 3; p++) {
+    const mm_qmat *m = p == 2 ? &src->w2 : &src->w13;
+    mm_qmat *o = p == 2 ? &dst->w2 : &dst->w13;
+    const int rows = p == 2 ? H : I;
+    const size_t r0 = p == 1 ? (size_t)I : 0;
+    const mm_g16_source g = {rows, m->cols, m->sf, m->codes + r0 * (size_t)(m->cols / 2),
+                             m->scales + r0 * (size_t)(m->cols / 16), m->row_scale + r0};
+    mm_err *e = mm_requant_g16_to_g32(&g, o->codes + r0 * (size_t)(m->cols / 2),
+                                      o->scales + r0 * (size_t)(m->cols / 32), 0, &st[p]);
+    CHECK_MSG(!e, "host requant: %s", e ? e->message : "");
+    mm_error_free(e);
+  }
+  for (int r = 0; r < 2 * I; r++) dst->w13.row_scale[r] = 1.0f;
+  for (int r = 0; r < H; r++) dst->w2.row_scale[r] = 1.0f;
+}
+
+/* The GPU's requant and packing of experts[0 .. E) (group 16) against the
+ * host's requant and the host packer: the same records and row factors,
+ * statistics equal up to the order of additions within a row (stats_tol:
+ * relative; 0 skips max_abs, which may differ where values underflow).
+ * limit: requant.max-rel-error; returns the GPU's error (NULL: none). */
+static mm_err *compare_requant(mm_expert_q *x, int E, mm_weight_mode mode, double limit,
+                               double stats_tol, const char *what) {
+  const int H = x[0].w13.cols, I = x[0].w2.cols;
+  const size_t b13 = mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 2 * I, H),
+               bytes = (size_t)E * (b13 + mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, H, I));
+  const size_t nrs = (size_t)E * (size_t)(2 * I + H);
+  mm_expert_q *q = calloc((size_t)E, sizeof *q);
+  mm_requant_stats *hst = calloc(3 * (size_t)E, sizeof *hst), *gst = calloc(3 * (size_t)E, sizeof *gst);
+  for (int e = 0; e < E; e++) host_requant(&x[e], &q[e], &hst[3 * e]);
+  pack_out h = run_pack(q, E, mode, 0);
+  uint8_t *w = malloc(bytes), *dw = NULL;
+  float *rs = malloc(sizeof(float) * nrs), *drs = NULL;
+  mm_err *err = NULL;
+  if (cudaMalloc((void **)&dw, bytes) != cudaSuccess ||
+      cudaMalloc((void **)&drs, sizeof(float) * nrs) != cudaSuccess) {
+    CHECK_MSG(0, "cudaMalloc");
+    goto out;
+  }
+  cudaMemset(dw, 0xA5, bytes);
+  cudaMemset(drs, 0x22, sizeof(float) * nrs);
+  memset(gst, 0x5A, 3 * (size_t)E * sizeof *gst); /* the packer zeroes them first */
+  cudaDeviceSynchronize();
+  const mm_sm90_requant rq = {40, limit, gst};
+  double fold[2] = {0, 0};
+  err = mm_sm90_pack_experts_gpu(x, E, 3, mode, dw, drs, drs + (size_t)E * (size_t)(2 * I), fold,
+                                 &rq, NULL);
+  if (h.err) { /* the host packer's refusal, word for word */
+    CHECK_MSG(err && h.err->code == err->code && !strcmp(h.err->message, err->message),
+              "%s mode %d: host %s, GPU %s", what, (int)mode, h.err->message,
+              err ? err->message : "ok");
+    printf("# %s mode %d: both refuse: %s\n", what, (int)mode, h.err->message);
+    mm_error_free(err);
+    err = NULL;
+    goto out;
+  }
+  if (err) goto out; /* the requant's refusal: the caller's to check */
+  cudaMemcpy(w, dw, bytes, cudaMemcpyDeviceToHost);
+  cudaMemcpy(rs, drs, sizeof(float) * nrs, cudaMemcpyDeviceToHost);
+  size_t first = bytes;
+  for (size_t i = 0; i < bytes && first == bytes; i++)
+    if (w[i] != h.w[i]) first = i;
+  CHECK_MSG(first == bytes, "%s mode %d: records differ from byte %zu of %zu (expert %zu)", what,
+            (int)mode, first, bytes, first / (bytes / (size_t)E));
+  CHECK_MSG(memcmp(rs, h.rs, sizeof(float) * nrs) == 0, "%s: row factors differ", what);
+  for (int t = 0; t < 3 * E; t++) {
+    CHECK_EQ_INT((int)gst[t].count, (int)hst[t].count);
+    CHECK_NEAR(gst[t].src_sq, hst[t].src_sq, stats_tol * hst[t].src_sq + 1e-300);
+    CHECK_NEAR(gst[t].rel_rms, hst[t].rel_rms, stats_tol * hst[t].rel_rms + 1e-12);
+    if (stats_tol > 0 && hst[t].max_abs > 1e-30)
+      CHECK_NEAR(gst[t].max_abs, hst[t].max_abs, stats_tol * hst[t].max_abs);
+  }
+  printf("# %s mode %d: %d experts identical; rel RMS of expert 0 gate %.6g (host %.6g)\n", what,
+         (int)mode, E, gst[0].rel_rms, hst[0].rel_rms);
+out:
+  cudaFree(dw);
+  cudaFree(drs);
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&q[e].w13);
+    mm_qmat_free(&q[e].w2);
+  }
+  free(q), free(hst), free(gst), free(w), free(rs), free(h.w), free(h.rs);
+  mm_error_free(h.err);
+  return err;
+}
+
+/* NVFP4 (E4M3 scales, gate and up globals apart) and UE8M0 group-16 layers
+ * of 1, 5 and 9 experts, requantized and packed on the GPU in modes 1 and
+ * 4; every E4M3 scale byte (subnormal ones among them); the limit. */
+static void test_requant(void) {
+  static const int kLayers[][3] = {{1, 128, 128}, {5, 256, 128}, {9, 384, 256}};
+  for (int s = 0; s < 3; s++) {
+    const int E = kLayers[s][0], H = kLayers[s][1], I = kLayers[s][2];
+    mm_expert_q *x = calloc((size_t)E, sizeof *x);
+    alloc_layer(x, E, H, I, 0);
+    for (int e = 0; e < E; e++) {
+      rand_g16(&x[e].w13, 0);
+      rand_g16(&x[e].w2, 0);
+      const float gate = mm_test_uniform(1e-3f, 1e-2f), up = e % 2 ? gate : 2.5f * gate;
+      for (int r = 0; r < 2 * I; r++) x[e].w13.row_scale[r] = r < I ? gate : up;
+      for (int r = 0; r < H; r++) x[e].w2.row_scale[r] = 7e-3f;
+    }
+    mm_err *err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1e-5, "nvfp4");
+    CHECK_MSG(!err, "%s", err ? err->message : "");
+    mm_error_free(err);
+    err = compare_requant(x, E, MM_WMODE_G32_F16_EXACT, INFINITY, 1e-5, "nvfp4");
+    CHECK_MSG(!err, "%s", err ? err->message : "");
+    mm_error_free(err);
+    for (int e = 0; e < E; e++) { /* UE8M0 group 16, no globals */
+      x[e].w13.sf = x[e].w2.sf = MM_SF_UE8M0;
+      for (size_t i = 0; i < (size_t)(2 * I) * (size_t)(H / 16); i++)
+        x[e].w13.scales[i] = (uint8_t)(100 + mm_test_rand_u64() % 40);
+      for (size_t i = 0; i < (size_t)H * (size_t)(I / 16); i++)
+        x[e].w2.scales[i] = (uint8_t)(110 + mm_test_rand_u64() % 30);
+      for (int r = 0; r < 2 * I; r++) x[e].w13.row_scale[r] = 1.0f;
+      for (int r = 0; r < H; r++) x[e].w2.row_scale[r] = 1.0f;
+    }
+    err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1e-5, "ue8m0-g16");
+    CHECK_MSG(!err, "%s", err ? err->message : "");
+    mm_error_free(err);
+    free_layer(x, E);
+    free(x);
+  }
+  /* every E4M3 byte (one per K block, the two halves of a group 32 one
+   * byte apart), tiny globals: subnormal products; max_abs not compared */
+  const int E = 3, H = 256, I = 128;
+  mm_expert_q x[3];
+  alloc_layer(x, E, H, I, 0);
+  for (int e = 0; e < E; e++) {
+    rand_g16(&x[e].w13, 1);
+    rand_g16(&x[e].w2, 1);
+    for (size_t i = 0; i < (size_t)(2 * I) * (size_t)(H / 16); i++) {
+      const uint8_t b = (uint8_t)((i / 8 + i % 2 + 11 * (size_t)e) % 256);
+      x[e].w13.scales[i] = mm_e4m3_is_nan(b) ? 0x00 : b;
+    }
+  }
+  mm_err *err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 0, "every E4M3 byte");
+  CHECK_MSG(!err, "%s", err ? err->message : "");
+  mm_error_free(err);
+  /* The limit: expert 0 requantizes exactly (scales and row factors 1), so
+   * a limit below expert 1's gate_proj error refuses that tensor first. */
+  for (int e = 0; e < E; e++) {
+    rand_g16(&x[e].w13, 0);
+    rand_g16(&x[e].w2, 0);
+  }
+  memset(x[0].w13.scales, 0x38, (size_t)(2 * I) * (size_t)(H / 16));
+  memset(x[0].w2.scales, 0x38, (size_t)H * (size_t)(I / 16));
+  for (int r = 0; r < 2 * I; r++) x[0].w13.row_scale[r] = 1.0f;
+  for (int r = 0; r < H; r++) x[0].w2.row_scale[r] = 1.0f;
+  mm_requant_stats st[3][3];
+  mm_expert_q q[3];
+  for (int e = 0; e < E; e++) host_requant(&x[e], &q[e], st[e]);
+  CHECK(st[0][0].rel_rms == 0.0 && st[0][1].rel_rms == 0.0 && st[0][2].rel_rms == 0.0);
+  CHECK(st[1][0].rel_rms > 0.0);
+  const double limit = 0.5 * st[1][0].rel_rms;
+  err = compare_requant(x, E, MM_WMODE_G32_FP8, limit, 1e-5, "limit");
+  char want[512];
+  mm_err *host_err = mm_requant_limit_error("experts.41.gate_proj", &st[1][0], limit);
+  CHECK(err && host_err);
+  if (err && host_err) {
+    CHECK_EQ_INT(err->code, host_err->code);
+    /* the same words up to the fourth digit of the GPU's own sums */
+    snprintf(want, sizeof want, "%.*s", (int)(strstr(host_err->message, "error ") - host_err->message),
+             host_err->message);
+    CHECK_MSG(strncmp(err->message, want, strlen(want)) == 0 &&
+                  strstr(err->message, "exceeds requant.max-rel-error"),
+              "GPU: %s\n#  host: %s", err->message, host_err->message);
+    printf("# %s\n", err->message);
+  }
+  mm_error_free(err);
+  mm_error_free(host_err);
+  for (int e = 0; e < E; e++) {
+    mm_qmat_free(&q[e].w13);
+    mm_qmat_free(&q[e].w2);
+  }
+  free_layer(x, E);
+}
+
 int main(void) {
   if (!mm_test_have_gpu()) return mm_test_skip_all("no GPU");
   mm_test_seed();
   RUN(test_random_layers);
   RUN(test_extremes);
   RUN(test_errors);
+  RUN(test_requant);
   if (!getenv("MEGAMOE_TEST_QUICK")) RUN(test_glm_shapes);
   return mm_test_done();
 }

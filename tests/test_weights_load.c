@@ -179,6 +179,136 @@ static void test_nvfp4_requant(void) {
   free_layer(&L);
 }
 
+static int same_qmat(const mm_qmat *a, const mm_qmat *b) {
+  return a->rows == b->rows && a->cols == b->cols && a->gran == b->gran && a->sf == b->sf &&
+         !memcmp(a->codes, b->codes, (size_t)a->rows * (size_t)a->cols / 2) &&
+         !memcmp(a->scales, b->scales, (size_t)a->rows * (size_t)(a->cols / a->gran)) &&
+         !memcmp(a->row_scale, b->row_scale, sizeof(float) * (size_t)a->rows);
+}
+
+/* The host's requant of a deferred load's experts, each projection as the
+ * loader runs it; checks the bytes against a requantizing load's and
+ * returns the statistics [3 * n]. */
+static void requant_deferred(const mm_expert_q *def, const mm_expert_q *ref, int n,
+                             mm_requant_stats *st) {
+  uint8_t *c = malloc((size_t)H * I / 2), *sc = malloc((size_t)H * I / 32);
+  for (int le = 0; le < n; le++)
+    for (int p = 0; p < 3; p++) {
+      const mm_qmat *m = p == 2 ? &def[le].w2 : &def[le].w13, *o = p == 2 ? &ref[le].w2 : &ref[le].w13;
+      const int N = p == 2 ? H : I, K = m->cols;
+      const size_t r0 = p == 1 ? I : 0;
+      mm_g16_source src = {N, K, m->sf, m->codes + r0 * (size_t)K / 2,
+                           m->scales + r0 * (size_t)K / 16, m->row_scale + r0};
+      CHECK_OK(mm_requant_g16_to_g32(&src, c, sc, 1, &st[3 * le + p]));
+      if (o->codes)
+        CHECK(!memcmp(o->codes + r0 * (size_t)K / 2, c, (size_t)N * K / 2) &&
+              !memcmp(o->scales + r0 * (size_t)K / 32, sc, (size_t)N * K / 32));
+    }
+  free(c), free(sc);
+}
+
+/* MM_LOAD_DEFER_REQUANT: the experts come back as a group-16 load would
+ * build them, the report waits for the requant's statistics and, given the
+ * host's, reads as a requantizing load's; errors are a sequential load's,
+ * an earlier expert's requant over the limit included. */
+static void test_deferred_requant(void) {
+  layer_t L;
+  make_layer(&L, LB_NVFP4, mm_test_rand_u64());
+  mm_config cfg, keep;
+  base_cfg(&cfg);
+  cfg.requant_policy = MM_REQUANT_G16_TO_G32;
+  cfg.gran_k = 32;
+  keep = cfg;
+  keep.requant_policy = MM_REQUANT_NONE;
+  keep.gran_k = 16;
+  mm_expert_q ref[3], def[3], g16[3];
+  mm_requant_report rref, rdef;
+  CHECK_OK(mm_weights_load_layer(&cfg, L.v, (size_t)L.n, 5, 3, ref, &rref));
+  CHECK_OK(mm_weights_load_layer_ex(&cfg, L.v, (size_t)L.n, 5, 3, MM_LOAD_DEFER_REQUANT, def,
+                                    &rdef));
+  CHECK_OK(mm_weights_load_layer(&keep, L.v, (size_t)L.n, 5, 3, g16, NULL));
+  CHECK(rdef.requant_pending && !rdef.requantized && rdef.gran == 32 && rdef.sf == MM_SF_UE8M0 &&
+        rdef.source_gran == 16 && rdef.source_sf == MM_SF_E4M3 && rdef.worst_tensor == -1);
+  for (int le = 0; le < 3; le++)
+    CHECK(same_qmat(&def[le].w13, &g16[le].w13) && same_qmat(&def[le].w2, &g16[le].w2));
+  mm_requant_stats st[9];
+  requant_deferred(def, ref, 3, st);
+  CHECK_OK(mm_requant_report_finish(&rdef, &cfg, st, 0));
+  CHECK(rdef.requantized && !rdef.requant_pending && rdef.worst_tensor == rref.worst_tensor);
+  for (int t = 0; t < 9; t++)
+    CHECK(rdef.tensors[t].rel_rms == rref.tensors[t].rel_rms &&
+          rdef.tensors[t].max_abs == rref.tensors[t].max_abs &&
+          rdef.tensors[t].global_scale == rref.tensors[t].global_scale);
+  CHECK(rdef.total.rel_rms == rref.total.rel_rms && rdef.total.count == rref.total.count);
+  CHECK_MSG(!strcmp(rdef.summary, rref.summary), "summaries:\n#  %s\n#  %s", rdef.summary,
+            rref.summary);
+  CHECK_ERR(mm_requant_report_finish(&rdef, &cfg, st, 1), MEGAMOE_CODE_INVALID_ARGUMENT);
+  rdef.requant_pending = 1; /* the GPU's words */
+  CHECK_OK(mm_requant_report_finish(&rdef, &cfg, st, 1));
+  CHECK(strstr(rdef.summary, "requantized on the GPU: rel RMS"));
+  printf("# %s\n", rdef.summary);
+  mm_requant_report_free(&rdef);
+  mm_requant_report_free(&rref);
+  free_experts(ref, 3), free_experts(def, 3), free_experts(g16, 3);
+  CHECK_ERR(mm_weights_load_layer_ex(&cfg, L.v, (size_t)L.n, 5, 3, MM_LOAD_DEFER_REQUANT, def,
+                                     NULL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+
+  /* Expert 5 requantizes exactly (scales and globals 1): a limit below
+   * expert 6's errors refuses its gate_proj first. With a missing tensor in
+   * expert 7 both loads name that requant; in expert 5 both name the
+   * missing tensor. Deferred without an error before it, the load passes
+   * (the limit is the requant's to apply). */
+  static const char *pn[3] = {"gate_proj", "up_proj", "down_proj"};
+  for (int p = 0; p < 3; p++) {
+    const int n = (p == 2 ? H * I : I * H) / 16;
+    memset((void *)tv(&L, 5, pn[p], "weight_scale")->data, 0x38, (size_t)n);
+    *(float *)tv(&L, 5, pn[p], "weight_scale_2")->data = 1.0f;
+  }
+  mm_requant_stats st2[9];
+  CHECK_OK(mm_weights_load_layer_ex(&cfg, L.v, (size_t)L.n, 5, 3, MM_LOAD_DEFER_REQUANT, def,
+                                    &rdef));
+  mm_expert_q none[3];
+  memset(none, 0, sizeof none); /* no bytes to compare */
+  requant_deferred(def, none, 3, st2);
+  CHECK(st2[0].rel_rms == 0.0 && st2[1].rel_rms == 0.0 && st2[2].rel_rms == 0.0);
+  CHECK(st2[3].rel_rms > 0.0);
+  cfg.requant_max_rel_error = 0.5 * st2[3].rel_rms;
+  mm_requant_report_free(&rdef);
+  free_experts(def, 3);
+  for (int miss = 7; miss >= 5; miss -= 2) {
+    char nm[64];
+    snprintf(nm, sizeof nm, "mlp.experts.%d.down_proj.weight", miss);
+    mm_tensor_view *t = find(&L, nm);
+    const char *name = t->name;
+    t->name = "removed.tensor";
+    mm_err *a = mm_weights_load_layer(&cfg, L.v, (size_t)L.n, 5, 3, ref, &rref);
+    mm_err *b = mm_weights_load_layer_ex(&cfg, L.v, (size_t)L.n, 5, 3, MM_LOAD_DEFER_REQUANT, def,
+                                         &rdef);
+    t->name = name;
+    CHECK(a && b && all_null(ref, 3) && all_null(def, 3));
+    if (a && b) {
+      CHECK_MSG(a->code == b->code && !strcmp(a->message, b->message), "\n#  %s\n#  %s",
+                a->message, b->message);
+      CHECK(strstr(b->message, miss == 7 ? "experts.6.gate_proj: group16 -> group32 requant error"
+                                         : "experts.5.down_proj.weight: missing"));
+      printf("# missing in expert %d: %s\n", miss, b->message);
+    }
+    mm_error_free(a);
+    mm_error_free(b);
+  }
+  CHECK_OK(mm_weights_load_layer_ex(&cfg, L.v, (size_t)L.n, 5, 3, MM_LOAD_DEFER_REQUANT, def,
+                                    &rdef));
+  CHECK_ERR(mm_weights_load_layer(&cfg, L.v, (size_t)L.n, 5, 3, ref, NULL),
+            MEGAMOE_CODE_INVALID_ARGUMENT);
+  mm_err *over = mm_requant_limit_error("t", &st2[3], cfg.requant_max_rel_error);
+  CHECK(over && !mm_requant_limit_error("t", &st2[0], cfg.requant_max_rel_error));
+  mm_error_free(over);
+  mm_requant_report_free(&rdef);
+  free_experts(def, 3);
+  free_layer(&L);
+}
+
 /* MXFP4 in four encodings of the same bytes loads to identical matrices. */
 static void test_mxfp4_encodings(void) {
   uint64_t seed = mm_test_rand_u64();
@@ -424,6 +554,7 @@ int main(void) {
   mm_test_seed();
   RUN(test_nvfp4_plain);
   RUN(test_nvfp4_requant);
+  RUN(test_deferred_requant);
   RUN(test_mxfp4_encodings);
   RUN(test_malformed);
   RUN(test_non_local_ignored);
