@@ -8,7 +8,7 @@
 # PACK_DIR is made by `scripts/gpu_pack.sh` on the build machine: the build's
 # binaries (tests/, host/, plugin .so, bench programs), libyaml/libuv, the
 # golden vectors. Prints a summary table last; full logs go to OUT_DIR.
-#   GPU_SUITE_STEPS="tests sanitizer e2e layer mp bench"   which steps to run
+#   GPU_SUITE_STEPS="tests sanitizer e2e layer requant mp bench"   which steps to run
 #   GPU_SUITE_TESTS=GLOB   test binaries to run (default gpu_test_*; "*" for all)
 #   GPU_SUITE_BENCH_ARGS="prog=ARGS;prog=ARGS"   arguments per bench program
 #                          (default: none); GPU_SUITE_BENCHES=GLOB which ones
@@ -119,6 +119,19 @@ if [[ " $steps " == *" layer "* ]]; then
     timeout 600 "${glm_host[@]}" --set requant.policy=$policy --set num-max-tokens-per-rank=$maxt \
       --tokens "$lt" --iters 20 --warmup 3 --check-tokens 4 >"$out/layer-$policy.log" 2>&1
     row "layer latency ($policy, $gpus GPU)" "rc=$? $(grep -E 'PASS|FAIL' "$out/layer-$policy.log" | tail -1 | sed 's/.*rel_err/rel_err/')"
+  done
+fi
+if [[ " $steps " == *" requant "* ]]; then
+  # requant.policy group16-to-group32 on the GLM-5 checkpoint, the requant on
+  # the host's cores and on the GPU (MEGAMOE_SM90_REQUANT): load time
+  # (prepare=) and the check against the reference, each.
+  glm_ckpt
+  for where in host gpu; do
+    MEGAMOE_SM90_REQUANT=$where MEGAMOE_LOG_LEVEL=info timeout 600 "${glm_host[@]}" \
+      --set requant.policy=group16-to-group32 --set num-max-tokens-per-rank=1024 --tokens 128,1024 \
+      --iters 5 --warmup 1 --check-tokens 4 >"$out/requant-$where.log" 2>&1
+    row "requant on the $where" "rc=$? $(grep -o 'prepare=[0-9.]*s' "$out/requant-$where.log" | head -1) $(grep -E 'PASS|FAIL' "$out/requant-$where.log" | tail -1 | sed 's/.*rel_err/rel_err/')"
+    grep -m2 'requantized' "$out/requant-$where.log" | cut -c1-240
   done
 fi
 if [[ " $steps " == *" mp "* ]]; then
