@@ -115,7 +115,7 @@ __global__ void fill_ones(float *x, int n) {
 
 /* The scratch of one matrix slot: the source copy and the per-row and
  * per-record arrays its record mode uses, at 256-byte aligned offsets; with
- * a requant, the group-16 source before them and the requant's row
+ * a requant, after them the group-16 source and the requant's row
  * statistics and status word. m: the matrix as packed (group 32 after a
  * requant). */
 struct SlotPlan {

@@ -332,12 +332,12 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
     experts = NULL;                 /* the backend freed what it took */
     goto done;
   }
+  op->layers[args->layer].ready = 1;
   if (requant_stats && (err = mm_requant_report_finish(&report, &op->cfg, requant_stats, 1))) {
-    release_layer(op, args->layer);
+    release_layer(op, args->layer); /* the backend's layer too: it is ready */
     experts = NULL;
     goto done;
   }
-  op->layers[args->layer].ready = 1;
   experts = NULL; /* owned by the layer slot / backend now */
   op->resolved_gran_k = gran;
   double worst_rel = 0, worst_abs = 0;
