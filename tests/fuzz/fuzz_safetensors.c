@@ -12,7 +12,11 @@
  *   - reading every tensor succeeds into a buffer of exactly its size;
  *   - the tensors (as host views) through mm_weights_load_layer for a tiny
  *     model (H 64, I 32, 2 experts), with and without group16->group32
- *     requant: either an error or a complete layer of finite scales. */
+ *     requant: either an error or a complete layer of finite scales;
+ *   - with the requant deferred (MM_LOAD_DEFER_REQUANT): where it fails, the
+ *     plain load fails alike (code and message); where it passes, the
+ *     deferred experts requantized here give the plain load's bytes and,
+ *     over the limit, its error. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +41,68 @@ static void check_error(megamoe_error *e, const char *what) {
   if (e->code <= MEGAMOE_CODE_OK || e->code >= MEGAMOE_CODE_COUNT_ || !e->message ||
       !e->message[0])
     FZ_FAIL("%s: malformed error (code %d)", what, (int)e->code);
+}
+
+static int same_qmat(const mm_qmat *a, const mm_qmat *b) {
+  return a->rows == b->rows && a->cols == b->cols && a->gran == b->gran && a->sf == b->sf &&
+         !memcmp(a->codes, b->codes, (size_t)a->rows * (size_t)a->cols / 2) &&
+         !memcmp(a->scales, b->scales, (size_t)a->rows * (size_t)(a->cols / a->gran)) &&
+         !memcmp(a->row_scale, b->row_scale, sizeof(float) * (size_t)a->rows);
+}
+
+/* The deferred load against the plain one (`plain_err`, `plain`: its
+ * result), as the file comment says. */
+static void check_deferred(const mm_config *cfg, const mm_tensor_view *views, size_t nv,
+                           megamoe_error *plain_err, const mm_expert_q *plain) {
+  mm_expert_q d[2];
+  mm_requant_report rep;
+  memset(d, 0, sizeof d);
+  megamoe_error *e = mm_weights_load_layer_ex(cfg, views, nv, 0, 2, MM_LOAD_DEFER_REQUANT, d, &rep);
+  check_error(e, "deferred load");
+  if (e) {
+    if (!plain_err || plain_err->code != e->code || strcmp(plain_err->message, e->message))
+      FZ_FAIL("deferred load: \"%s\", plain load: \"%s\"", e->message,
+              plain_err ? plain_err->message : "ok");
+    megamoe_error_destroy(e);
+    return;
+  }
+  megamoe_error *over = NULL; /* the first tensor over the limit, in load order */
+  for (int i = 0; i < 2; i++) {
+    static const char *const kProj[3] = {"gate_proj", "up_proj", "down_proj"};
+    for (int p = 0; p < 3 && rep.requant_pending; p++) {
+      const mm_qmat *m = p == 2 ? &d[i].w2 : &d[i].w13;
+      const int rows = p == 2 ? m->rows : m->rows / 2;
+      const size_t r0 = p == 1 ? (size_t)rows : 0;
+      const mm_g16_source src = {rows, m->cols, m->sf, m->codes + r0 * (size_t)(m->cols / 2),
+                                 m->scales + r0 * (size_t)(m->cols / 16), m->row_scale + r0};
+      uint8_t *c = malloc((size_t)rows * (size_t)m->cols / 2 + 1);
+      uint8_t *sc = malloc((size_t)rows * (size_t)(m->cols / 32) + 1);
+      mm_requant_stats st;
+      megamoe_error *re = mm_requant_g16_to_g32(&src, c, sc, 1, &st);
+      if (re) FZ_FAIL("requant of a deferred layer failed: %s", re->message);
+      char name[64];
+      snprintf(name, sizeof name, "experts.%d.%s", i, kProj[p]);
+      if (!over) over = mm_requant_limit_error(name, &st, cfg->requant_max_rel_error);
+      const mm_qmat *q = p == 2 ? &plain[i].w2 : &plain[i].w13;
+      if (!plain_err && (memcmp(q->codes + r0 * (size_t)(m->cols / 2), c, (size_t)rows * (size_t)m->cols / 2) ||
+                         memcmp(q->scales + r0 * (size_t)(m->cols / 32), sc, (size_t)rows * (size_t)(m->cols / 32))))
+        FZ_FAIL("expert %d %s: the deferred requant's bytes differ from the plain load's", i, kProj[p]);
+      free(c);
+      free(sc);
+    }
+    if (!rep.requant_pending && !plain_err &&
+        (!same_qmat(&d[i].w13, &plain[i].w13) || !same_qmat(&d[i].w2, &plain[i].w2)))
+      FZ_FAIL("expert %d: a load with nothing to defer differs from the plain one", i);
+  }
+  if (!over != !plain_err || (over && strcmp(over->message, plain_err->message)))
+    FZ_FAIL("deferred load passed; its requant: \"%s\", plain load: \"%s\"",
+            over ? over->message : "ok", plain_err ? plain_err->message : "ok");
+  if (over) megamoe_error_destroy(over);
+  for (int i = 0; i < 2; i++) {
+    mm_qmat_free(&d[i].w13);
+    mm_qmat_free(&d[i].w2);
+  }
+  mm_requant_report_free(&rep);
 }
 
 static void load_layer(const mm_st_file *f, void **bufs, int requant) {
@@ -69,6 +135,7 @@ static void load_layer(const mm_st_file *f, void **bufs, int requant) {
   memset(ex, 0, sizeof ex);
   megamoe_error *e = mm_weights_load_layer(&cfg, views, nv, 0, 2, ex, &rep);
   check_error(e, "weights load");
+  if (requant) check_deferred(&cfg, views, nv, e, ex);
   if (e) {
     for (int i = 0; i < 2; i++)
       if (ex[i].w13.codes || ex[i].w2.codes) FZ_FAIL("failed load left expert %d allocated", i);
