@@ -14,6 +14,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "formats.h"
 
@@ -58,6 +59,14 @@ static inline void mm_qmat_free(mm_qmat *m) {
   free(m->row_scale);
   m->codes = m->scales = NULL;
   m->row_scale = NULL;
+}
+
+/* 1 when a and b hold the same shape, format and bytes. */
+static inline int mm_qmat_equal(const mm_qmat *a, const mm_qmat *b) {
+  return a->rows == b->rows && a->cols == b->cols && a->gran == b->gran && a->sf == b->sf &&
+         !memcmp(a->codes, b->codes, (size_t)a->rows * (size_t)a->cols / 2) &&
+         !memcmp(a->scales, b->scales, (size_t)a->rows * (size_t)(a->cols / a->gran)) &&
+         !memcmp(a->row_scale, b->row_scale, sizeof(float) * (size_t)a->rows);
 }
 
 /* One expert: w13 = [gate rows 0..I-1 ; up rows I..2I-1] x hidden,

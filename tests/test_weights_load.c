@@ -179,13 +179,6 @@ static void test_nvfp4_requant(void) {
   free_layer(&L);
 }
 
-static int same_qmat(const mm_qmat *a, const mm_qmat *b) {
-  return a->rows == b->rows && a->cols == b->cols && a->gran == b->gran && a->sf == b->sf &&
-         !memcmp(a->codes, b->codes, (size_t)a->rows * (size_t)a->cols / 2) &&
-         !memcmp(a->scales, b->scales, (size_t)a->rows * (size_t)(a->cols / a->gran)) &&
-         !memcmp(a->row_scale, b->row_scale, sizeof(float) * (size_t)a->rows);
-}
-
 /* The host's requant of a deferred load's experts, each projection as the
  * loader runs it; checks the bytes against a requantizing load's and
  * returns the statistics [3 * n]. */
@@ -230,7 +223,7 @@ static void test_deferred_requant(void) {
   CHECK(rdef.requant_pending && !rdef.requantized && rdef.gran == 32 && rdef.sf == MM_SF_UE8M0 &&
         rdef.source_gran == 16 && rdef.source_sf == MM_SF_E4M3 && rdef.worst_tensor == -1);
   for (int le = 0; le < 3; le++)
-    CHECK(same_qmat(&def[le].w13, &g16[le].w13) && same_qmat(&def[le].w2, &g16[le].w2));
+    CHECK(mm_qmat_equal(&def[le].w13, &g16[le].w13) && mm_qmat_equal(&def[le].w2, &g16[le].w2));
   mm_requant_stats st[9];
   requant_deferred(def, ref, 3, st);
   CHECK_OK(mm_requant_report_finish(&rdef, &cfg, st, 0));

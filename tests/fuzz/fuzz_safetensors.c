@@ -43,13 +43,6 @@ static void check_error(megamoe_error *e, const char *what) {
     FZ_FAIL("%s: malformed error (code %d)", what, (int)e->code);
 }
 
-static int same_qmat(const mm_qmat *a, const mm_qmat *b) {
-  return a->rows == b->rows && a->cols == b->cols && a->gran == b->gran && a->sf == b->sf &&
-         !memcmp(a->codes, b->codes, (size_t)a->rows * (size_t)a->cols / 2) &&
-         !memcmp(a->scales, b->scales, (size_t)a->rows * (size_t)(a->cols / a->gran)) &&
-         !memcmp(a->row_scale, b->row_scale, sizeof(float) * (size_t)a->rows);
-}
-
 /* The deferred load against the plain one (`plain_err`, `plain`: its
  * result), as the file comment says. */
 static void check_deferred(const mm_config *cfg, const mm_tensor_view *views, size_t nv,
@@ -91,7 +84,7 @@ static void check_deferred(const mm_config *cfg, const mm_tensor_view *views, si
       free(sc);
     }
     if (!rep.requant_pending && !plain_err &&
-        (!same_qmat(&d[i].w13, &plain[i].w13) || !same_qmat(&d[i].w2, &plain[i].w2)))
+        (!mm_qmat_equal(&d[i].w13, &plain[i].w13) || !mm_qmat_equal(&d[i].w2, &plain[i].w2)))
       FZ_FAIL("expert %d: a load with nothing to defer differs from the plain one", i);
   }
   if (!over != !plain_err || (over && strcmp(over->message, plain_err->message)))
