@@ -281,7 +281,7 @@ mm_err *mm_requant_qmat(const mm_qmat *src, int threads, mm_qmat *dst,
     return mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "requant: out of memory for [%d, %d]",
                     src->rows, src->cols);
   }
-  mm_g16_source s = {src->rows, src->cols, src->sf, src->codes, src->scales, src->row_scale};
+  const mm_g16_source s = mm_g16_rows(src, 0, src->rows);
   mm_err *err = mm_requant_g16_to_g32(&s, out.codes, out.scales, threads, stats);
   if (err) {
     mm_qmat_free(&out);

@@ -51,6 +51,19 @@ typedef struct mm_g16_source {
   const float *row_scale; /* [rows]; NULL = all 1 */
 } mm_g16_source;
 
+/* Rows row0 .. row0 + rows - 1 of a canonical group-16 matrix (gran 16) as
+ * a source: a whole matrix, or one projection of w13 (gate: 0, I; up: I, I). */
+static inline mm_g16_source mm_g16_rows(const mm_qmat *m, int row0, int rows) {
+  const size_t r0 = (size_t)row0;
+  const mm_g16_source s = {rows,
+                           m->cols,
+                           m->sf,
+                           m->codes + r0 * (size_t)(m->cols / 2),
+                           m->scales + r0 * (size_t)(m->cols / 16),
+                           m->row_scale ? m->row_scale + r0 : NULL};
+  return s;
+}
+
 /* Requantizes `src` into codes_out [rows, cols/2] and scales_out
  * [rows, cols/32] (UE8M0 bytes). threads: 0 = all cores. stats may be NULL.
  * INVALID_ARGUMENT for bad shapes or a non-finite source value (the message

@@ -567,7 +567,8 @@ static mm_err *layer_policy(const mm_config *cfg, unsigned flags, const char *pn
  * load would have run. Runs only on the way to an error. */
 static mm_err *earlier_requant_error(const layer_job *j, int le_err) {
   const int H = j->H, I = j->I, n = H > I ? H : I;
-  uint8_t *codes = malloc((size_t)n * (size_t)(n / 2) + 1), *scales = malloc((size_t)n * (size_t)(n / 32) + 1);
+  uint8_t *codes = malloc((size_t)n * (size_t)(n / 2) + 1);
+  uint8_t *scales = malloc((size_t)n * (size_t)(n / 32) + 1);
   mm_err *err = codes && scales ? NULL
                                 : mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "weights load: out of memory");
   for (int le = 0; le < le_err && !err; le++) {
@@ -575,10 +576,7 @@ static mm_err *earlier_requant_error(const layer_job *j, int le_err) {
     proj_names(j->first_expert + le, ename, pname);
     for (int p = 0; p < 3 && !err; p++) {
       const mm_qmat *m = p == 2 ? &j->out[le].w2 : &j->out[le].w13;
-      const int rows = p == 2 ? H : I;
-      const size_t row0 = p == 1 ? (size_t)I : 0;
-      const mm_g16_source src = {rows, m->cols, m->sf, m->codes + row0 * (size_t)(m->cols / 2),
-                                 m->scales + row0 * (size_t)(m->cols / 16), m->row_scale + row0};
+      const mm_g16_source src = mm_g16_rows(m, p == 1 ? I : 0, p == 2 ? H : I);
       mm_requant_stats st;
       err = mm_requant_g16_to_g32(&src, codes, scales, 0, &st);
       err = err ? mm_error_wrap(err, "%s", pname[p])

@@ -116,9 +116,11 @@ static void free_layer(mm_expert_q *x, int E) {
   }
 }
 
-/* Layers of 1, 5 and 9 experts (more than one upload of 4) in every mode. */
+/* Layers of 1, 5 and 9 experts (more than one upload of 4): E, H, I. */
+static const int kLayers[][3] = {{1, 128, 128}, {5, 256, 128}, {9, 384, 256}};
+
+/* The layers of kLayers in every mode. */
 static void test_random_layers(void) {
-  static const int kLayers[][3] = {{1, 128, 128}, {5, 256, 128}, {9, 384, 256}};
   for (int s = 0; s < 3; s++) {
     const int E = kLayers[s][0], H = kLayers[s][1], I = kLayers[s][2];
     mm_expert_q *x = calloc((size_t)E, sizeof *x);
@@ -250,8 +252,7 @@ static void host_requant(const mm_expert_q *src, mm_expert_q *dst, mm_requant_st
     mm_qmat *o = p == 2 ? &dst->w2 : &dst->w13;
     const int rows = p == 2 ? H : I;
     const size_t r0 = p == 1 ? (size_t)I : 0;
-    const mm_g16_source g = {rows, m->cols, m->sf, m->codes + r0 * (size_t)(m->cols / 2),
-                             m->scales + r0 * (size_t)(m->cols / 16), m->row_scale + r0};
+    const mm_g16_source g = mm_g16_rows(m, (int)r0, rows);
     mm_err *e = mm_requant_g16_to_g32(&g, o->codes + r0 * (size_t)(m->cols / 2),
                                       o->scales + r0 * (size_t)(m->cols / 32), 0, &st[p]);
     CHECK_MSG(!e, "host requant: %s", e ? e->message : "");
@@ -332,10 +333,9 @@ out:
 }
 
 /* NVFP4 (E4M3 scales, gate and up globals apart) and UE8M0 group-16 layers
- * of 1, 5 and 9 experts, requantized and packed on the GPU in modes 1 and
+ * of kLayers' shapes, requantized and packed on the GPU in modes 1 and
  * 4; every E4M3 scale byte (subnormal ones among them); the limit. */
 static void test_requant(void) {
-  static const int kLayers[][3] = {{1, 128, 128}, {5, 256, 128}, {9, 384, 256}};
   for (int s = 0; s < 3; s++) {
     const int E = kLayers[s][0], H = kLayers[s][1], I = kLayers[s][2];
     mm_expert_q *x = calloc((size_t)E, sizeof *x);

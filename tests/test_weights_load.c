@@ -190,8 +190,7 @@ static void requant_deferred(const mm_expert_q *def, const mm_expert_q *ref, int
       const mm_qmat *m = p == 2 ? &def[le].w2 : &def[le].w13, *o = p == 2 ? &ref[le].w2 : &ref[le].w13;
       const int N = p == 2 ? H : I, K = m->cols;
       const size_t r0 = p == 1 ? I : 0;
-      mm_g16_source src = {N, K, m->sf, m->codes + r0 * (size_t)K / 2,
-                           m->scales + r0 * (size_t)K / 16, m->row_scale + r0};
+      const mm_g16_source src = mm_g16_rows(m, (int)r0, N);
       CHECK_OK(mm_requant_g16_to_g32(&src, c, sc, 1, &st[3 * le + p]));
       if (o->codes)
         CHECK(!memcmp(o->codes + r0 * (size_t)K / 2, c, (size_t)N * K / 2) &&

@@ -66,8 +66,7 @@ static void check_deferred(const mm_config *cfg, const mm_tensor_view *views, si
       const mm_qmat *m = p == 2 ? &d[i].w2 : &d[i].w13;
       const int rows = p == 2 ? m->rows : m->rows / 2;
       const size_t r0 = p == 1 ? (size_t)rows : 0;
-      const mm_g16_source src = {rows, m->cols, m->sf, m->codes + r0 * (size_t)(m->cols / 2),
-                                 m->scales + r0 * (size_t)(m->cols / 16), m->row_scale + r0};
+      const mm_g16_source src = mm_g16_rows(m, (int)r0, rows);
       uint8_t *c = malloc((size_t)rows * (size_t)m->cols / 2 + 1);
       uint8_t *sc = malloc((size_t)rows * (size_t)(m->cols / 32) + 1);
       mm_requant_stats st;
