@@ -9,15 +9,53 @@
 
 #include "parallel.h"
 
-/* Decodes row r of m (e2m1 * group scale, exact in FP32) into w[cols]. */
-static void decode_row(const mm_qmat *m, int r, float *w) {
+/* Code and scale-byte values, looked up instead of decoded per weight. */
+typedef struct {
+  float e2m1[16];
+  float scale[256]; /* E4M3 or UE8M0 by the matrix's format */
+} decode_tables;
+
+static void decode_tables_init(decode_tables *t, mm_scale_format sf) {
+  for (int c = 0; c < 16; c++) t->e2m1[c] = mm_e2m1_to_float((uint8_t)c);
+  for (int b = 0; b < 256; b++)
+    t->scale[b] = sf == MM_SF_E4M3 ? mm_e4m3_to_float((uint8_t)b) : mm_ue8m0_to_float((uint8_t)b);
+}
+
+/* Decodes row r of m (e2m1 * group scale, exact in FP32 and so in FP64)
+ * into w[cols]: a 16-entry table per group, then a lookup per code. */
+static void decode_row(const mm_qmat *m, const decode_tables *t, int r, double *w) {
   const uint8_t *codes = m->codes + (size_t)r * (size_t)(m->cols / 2);
-  int groups = m->cols / m->gran;
+  const uint8_t *scales = m->scales + (size_t)r * (size_t)(m->cols / m->gran);
+  const int groups = m->cols / m->gran;
   for (int g = 0; g < groups; g++) {
-    float s = mm_qmat_group_scale(m, r, g);
-    for (int k = g * m->gran; k < (g + 1) * m->gran; k++)
-      w[k] = mm_e2m1_to_float(mm_fp4_get(codes, (size_t)k)) * s;
+    const float s = t->scale[scales[g]];
+    double tab[16];
+    for (int c = 0; c < 16; c++) tab[c] = (double)(t->e2m1[c] * s);
+    const uint8_t *b = codes + (size_t)g * (size_t)(m->gran / 2);
+    double *wg = w + (size_t)g * (size_t)m->gran;
+    for (int j = 0; j < m->gran / 2; j++) {
+      wg[2 * j] = tab[b[j] & 15];
+      wg[2 * j + 1] = tab[b[j] >> 4];
+    }
   }
+}
+
+/* out[t] = sum_k x[t][k] * w[k] for tokens t < nt (x rows ldx apart), each
+ * in four partial sums (k mod 4) added as (s0 + s1) + (s2 + s3): a token's
+ * result is the same whichever tokens share the call, and the same for any
+ * thread count. Several tokens per pass read each weight once from the
+ * cache for all of them; the partial sums are independent chains (one chain
+ * would wait on the adder's latency at every element). */
+static inline void dots(const double *x, size_t ldx, int nt, const double *w, int K,
+                        double *out) {
+  double acc[4][4] = {{0}};
+  int k = 0;
+  for (; k + 4 <= K; k += 4)
+    for (int t = 0; t < nt; t++)
+      for (int l = 0; l < 4; l++) acc[t][l] += x[(size_t)t * ldx + (size_t)(k + l)] * w[k + l];
+  for (; k < K; k++)
+    for (int t = 0; t < nt; t++) acc[t][0] += x[(size_t)t * ldx + (size_t)k] * w[k];
+  for (int t = 0; t < nt; t++) out[t] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]);
 }
 
 /* y[i][n] = (float)(row_scale[n] * sum_k x[i][k] * W[n][k]) for rows n in
@@ -32,18 +70,29 @@ typedef struct {
 static void gemm_rows(void *ctx, size_t begin, size_t end) {
   gemm_job *j = ctx;
   int K = j->w->cols;
-  float *wrow = malloc(sizeof(float) * (size_t)K);
-  if (!wrow) return; /* outputs stay poisoned; callers check for NaN */
+  double *wrow = malloc(sizeof(double) * (size_t)K);
+  decode_tables *tabs = malloc(sizeof *tabs);
+  if (!wrow || !tabs) { /* outputs stay poisoned; callers check for NaN */
+    free(wrow);
+    free(tabs);
+    return;
+  }
+  decode_tables_init(tabs, j->w->sf);
   for (size_t n = begin; n < end; n++) {
-    decode_row(j->w, (int)n, wrow);
-    for (int i = 0; i < j->m; i++) {
+    decode_row(j->w, tabs, (int)n, wrow);
+    for (int i = 0; i < j->m; i += 4) {
+      double acc[4];
       const double *xi = j->x + (size_t)i * (size_t)K;
-      double acc = 0.0;
-      for (int k = 0; k < K; k++) acc += xi[k] * (double)wrow[k];
-      j->y[(size_t)i * (size_t)j->w->rows + n] = (float)(acc * (double)j->w->row_scale[n]);
+      if (j->m - i >= 4)
+        dots(xi, (size_t)K, 4, wrow, K, acc); /* constant counts: unrolled */
+      else
+        for (int t = 0; t < j->m - i; t++) dots(xi + (size_t)t * (size_t)K, (size_t)K, 1, wrow, K, &acc[t]);
+      for (int t = 0; t < 4 && i + t < j->m; t++)
+        j->y[(size_t)(i + t) * (size_t)j->w->rows + n] = (float)(acc[t] * (double)j->w->row_scale[n]);
     }
   }
   free(wrow);
+  free(tabs);
 }
 
 static void dequant_act(const uint8_t *q, const float *s, int m, int K, double *x) {

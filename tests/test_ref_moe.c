@@ -160,6 +160,50 @@ static void test_bad_ids(void) {
   mm_qmat_free(&ex.w2);
 }
 
+/* A token's output does not depend on the tokens that share its expert's
+ * call (the reference takes tokens 4 at a time, then one by one), nor on
+ * the thread count: a call of 7 tokens against one call per token, and 1
+ * against 3 threads, bit for bit. Wide scale ranges, so that the float64
+ * sums can round. */
+static void test_batch_invariance(void) {
+  const int H = 512, I = 256, m = 7;
+  mm_expert_q ex;
+  make_qmat(&ex.w13, 2 * I, H, 16);
+  make_qmat(&ex.w2, H, I, 16);
+  for (size_t i = 0; i < (size_t)2 * I * (H / 16); i++)
+    ex.w13.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70); /* 2^-6 .. 2^8 */
+  for (size_t i = 0; i < (size_t)H * (I / 16); i++)
+    ex.w2.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70);
+  uint8_t *xq = malloc((size_t)m * H);
+  float *xs = malloc(sizeof(float) * (size_t)m * (H / 128)), rw[7];
+  for (size_t i = 0; i < (size_t)m * H; i++) {
+    uint8_t b = (uint8_t)mm_test_rand_u64();
+    xq[i] = (b & 0x7F) == 0x7F ? 0x7E : b; /* no NaN */
+  }
+  for (int i = 0; i < m * (H / 128); i++) xs[i] = mm_test_uniform(1e-3f, 1.0f);
+  for (int i = 0; i < m; i++) rw[i] = mm_test_uniform(0.1f, 1.0f);
+  uint16_t *all = malloc(sizeof(uint16_t) * (size_t)m * H), *all3 = malloc(sizeof(uint16_t) * (size_t)m * H);
+  uint16_t *one = malloc(sizeof(uint16_t) * (size_t)H);
+  mm_ref_expert_rows_mt(&ex, m, xq, xs, rw, 0.0f, 1, all);
+  mm_ref_expert_rows_mt(&ex, m, xq, xs, rw, 0.0f, 3, all3);
+  int diff_threads = 0, diff_batch = 0, nan = 0;
+  for (size_t i = 0; i < (size_t)m * H; i++) {
+    diff_threads += all[i] != all3[i];
+    nan += (all[i] & 0x7FFF) > 0x7F80;
+  }
+  for (int t = 0; t < m; t++) {
+    mm_ref_expert_rows_mt(&ex, 1, xq + (size_t)t * H, xs + (size_t)t * (H / 128), &rw[t], 0.0f, 2,
+                          one);
+    for (int c = 0; c < H; c++) diff_batch += one[c] != all[(size_t)t * H + c];
+  }
+  CHECK_EQ_INT(nan, 0);
+  CHECK_EQ_INT(diff_threads, 0);
+  CHECK_EQ_INT(diff_batch, 0);
+  free(xq); free(xs); free(all); free(all3); free(one);
+  mm_qmat_free(&ex.w13);
+  mm_qmat_free(&ex.w2);
+}
+
 int main(void) {
   mm_test_seed();
   RUN(test_random_shapes);
@@ -167,5 +211,6 @@ int main(void) {
   RUN(test_zero_hidden);
   RUN(test_masked_and_empty_experts);
   RUN(test_bad_ids);
+  RUN(test_batch_invariance);
   return mm_test_done();
 }
