@@ -22,6 +22,7 @@ typedef struct {
   const char *plugin, *plugin_dir, *config, *checkpoint;
   int validate, list, world, layers, iters, warmup, check_tokens, seed, force_cpu;
   int read_ahead; /* 1: read layer l + 1 while layer l is prepared */
+  const char *dump_check; /* --dump-check FILE: the checked tokens, for scripts/layer_oracle.py */
   int tokens[MAX_TOKEN_SIZES], num_tokens;
   double tolerance;
   megamoe_kv sets[MAX_SETS];

@@ -15,6 +15,7 @@
 #include "formats.h"
 #include "host.h"
 #include "layer_reader.h"
+#include "safetensors.h"
 
 /* ---- small helpers ------------------------------------------------------------ */
 int report(megamoe_error *err, const char *what) {
@@ -474,6 +475,45 @@ int ref_open(const mm_st_ckpt *ck, int layer0, host_ref **out) {
   return 0;
 }
 
+/* --dump-check: the checked tokens of rank w (inputs, the op's output and
+ * the reference's) and where they came from, for scripts/layer_oracle.py.
+ * One file per rank: FILE, and FILE.rank<r> where the world has several. */
+static int dump_check(const rank_work *w, int S, const uint16_t *h, const int32_t *ids,
+                      const float *wt, const int *rows, const uint16_t *ref_out) {
+  const int H = w->H, K = w->K;
+  char path[4096], meta[32];
+  if (opt.world > 1) snprintf(path, sizeof path, "%s.rank%d", opt.dump_check, w->rank);
+  else snprintf(path, sizeof path, "%s", opt.dump_check);
+  uint16_t *got = malloc(sizeof(uint16_t) * (size_t)S * H + 2);
+  mm_st_writer *wr = NULL;
+  mm_err *err = got ? mm_st_writer_new(&wr)
+                    : mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "out of host memory");
+  for (int i = 0; got && i < S; i++)
+    memcpy(got + (size_t)i * H, w->out + (size_t)rows[i] * H, sizeof(uint16_t) * (size_t)H);
+  const int64_t th[2] = {S, H}, tk[2] = {S, K};
+  const uint64_t bh = sizeof(uint16_t) * (uint64_t)S * (uint64_t)H;
+  const uint64_t bk = sizeof(int32_t) * (uint64_t)S * (uint64_t)K;
+  /* BF16 as raw 16-bit words: readers need no BF16 type */
+  if (!err) err = mm_st_writer_add(wr, "hidden_bf16", MM_ST_U16, 2, th, h, bh);
+  if (!err) err = mm_st_writer_add(wr, "topk_ids", MM_ST_I32, 2, tk, ids, bk);
+  if (!err) err = mm_st_writer_add(wr, "topk_weights", MM_ST_F32, 2, tk, wt, bk);
+  if (!err) err = mm_st_writer_add(wr, "out_bf16", MM_ST_U16, 2, th, got, bh);
+  if (!err) err = mm_st_writer_add(wr, "reference_bf16", MM_ST_U16, 2, th, ref_out, bh);
+  snprintf(meta, sizeof meta, "%d", w->layers[0]);
+  if (!err) err = mm_st_writer_set_metadata(wr, "layer", meta);
+  snprintf(meta, sizeof meta, "%d", w->rank);
+  if (!err) err = mm_st_writer_set_metadata(wr, "rank", meta);
+  if (!err) err = mm_st_writer_write(wr, path);
+  mm_st_writer_free(wr);
+  free(got);
+  if (err) {
+    fprintf(stderr, "megamoe-host: --dump-check %s: %s\n", path, err->message);
+    mm_error_free(err);
+    return 1;
+  }
+  return 0;
+}
+
 int ref_check(host_ref *ref, const rank_work *w, double *rel_out) {
   const int H = ref->H, K = ref->K;
   int S = opt.check_tokens < w->T0 ? opt.check_tokens : w->T0;
@@ -509,6 +549,7 @@ int ref_check(host_ref *ref, const rank_work *w, double *rel_out) {
     *rel_out = rel;
     fprintf(stderr, "megamoe-host: rank %d: %d sampled tokens vs cpu-reference: rel err %.3g%s\n",
             w->rank, S, rel, nan ? " (NaN/Inf in output)" : "");
+    if (opt.dump_check) bad = dump_check(w, S, h, ids, wt, rows, o);
   }
   free(h);
   free(o);

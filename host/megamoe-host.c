@@ -44,7 +44,7 @@ static void usage(void) {
           "       [--config FILE] [--validate] [--set KEY=VALUE]...\n"
           "       [--checkpoint CKPT] [--world N] [--layers N] [--tokens T[,T...]]\n"
           "       [--iters N] [--warmup N] [--check-tokens S] [--tolerance X] [--seed N] [--cpu]\n"
-          "       [--read-ahead 0|1]\n"
+          "       [--read-ahead 0|1] [--dump-check FILE]\n"
           "       [--rank R --world W --rendezvous HOST:PORT [--local-device D]\n"
           "        [--rendezvous-serve | --no-rendezvous-serve] [--rendezvous-timeout SECONDS]]\n"
           "MEGAMOE_PLUGIN_PATH (colon-separated directories) is scanned when no --plugin is given.\n"
@@ -118,7 +118,8 @@ static int takes_value(const char *a) {
   static const char *const names[] = {
       "--plugin", "--plugin-dir", "--config", "--checkpoint", "--rendezvous", "--world",
       "--layers", "--iters", "--warmup", "--check-tokens", "--seed", "--rank", "--local-device",
-      "--rendezvous-timeout", "--tolerance", "--tokens", "--set", "--read-ahead"};
+      "--rendezvous-timeout", "--tolerance", "--tokens", "--set", "--read-ahead",
+      "--dump-check"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if (!strcmp(a, names[i])) return 1;
   return 0;
@@ -168,6 +169,7 @@ static int parse_args(int argc, char **argv) {
       else if (!strcmp(a, "--plugin-dir")) opt.plugin_dir = v;
       else if (!strcmp(a, "--config")) opt.config = v;
       else if (!strcmp(a, "--checkpoint")) opt.checkpoint = v;
+      else if (!strcmp(a, "--dump-check")) opt.dump_check = v;
       else if (!strcmp(a, "--rendezvous")) opt.rendezvous = v;
       else if (!strcmp(a, "--world")) bad = take_int(a, v, 1, MAX_MP_WORLD, &opt.world);
       else if (!strcmp(a, "--layers")) bad = take_int(a, v, 1, MAX_LAYERS, &opt.layers);

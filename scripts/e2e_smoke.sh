@@ -3,7 +3,10 @@
 # run the megamoe_fp4 operator end to end through the plugin ABI with
 # megamoe-host, check sampled tokens against the cpu-reference backend, print
 # timings (per layer; on GPUs rank 0's dispatch / compute / combine
-# microseconds and GB/s) and a one-line PASS/FAIL summary.
+# microseconds and GB/s) and a one-line PASS/FAIL summary. Rank 0's checked
+# tokens are then checked again by scripts/layer_oracle.py, an independent
+# numpy model that reads the checkpoint itself (a run fails when it fails;
+# skipped, and said, where no python3 has numpy).
 #
 # With GPUs: GLM-5 shapes (hidden 6144, expert size 2048, 256 experts, top-8),
 # ep-size = every visible GPU, both requant policies, decode (128 tokens per
@@ -80,8 +83,8 @@ else
   extra=(--cpu)
   echo "e2e_smoke: no GPU: GLM-5 shapes, 32 experts (one EP8 rank's share), on the" \
     "cpu-reference backend, $layers layer(s)"
-  echo "e2e_smoke: (the check's reference is the same backend here, so it checks the" \
-    "plumbing: ABI, loading, routing, combine; rel_err 0 is expected)"
+  echo "e2e_smoke: (megamoe-host's reference is the same backend here: rel_err 0 is" \
+    "expected; layer_oracle.py, an independent numpy model, checks the numbers)"
 fi
 
 echo "e2e_smoke: synthesizing an NVFP4 checkpoint in $work/ckpt"
@@ -89,8 +92,18 @@ echo "e2e_smoke: synthesizing an NVFP4 checkpoint in $work/ckpt"
   --format nvfp4 --seed 7 $([ "$gpus" -gt 0 ] && echo --fast) >"$work/synth.log" 2>&1 ||
   { tail -5 "$work/synth.log"; echo "e2e_smoke: FAIL (synth)"; exit 1; }
 
+# The oracle's python: one with numpy (bootstrap.sh installs python3-numpy).
+oracle_py=
+for p in python3 /usr/bin/python3; do
+  "$p" -c 'import numpy' 2>/dev/null && { oracle_py=$p; break; }
+done
+[ -n "$oracle_py" ] || echo "e2e_smoke: no python3 with numpy: layer_oracle.py checks skipped"
+# The operator against the oracle: exact up to the order of FP64 sums on the
+# CPU; on GPUs the host's tolerance (mode 3's weight fold is lossy).
+oracle_tol=$([ "$gpus" -gt 0 ] && echo 0.02 || echo 0.001)
+
 pass=0 fail=0
-summary=()
+summary=() oracles=()
 for policy in none group16-to-group32; do
   for mode in $modes; do
     log=$work/run-$policy-$mode.log
@@ -98,12 +111,21 @@ for policy in none group16-to-group32; do
       --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
       --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
       --set dispatch-mode=$mode --set num-max-tokens-per-rank=4096 --set comm.timeout-ms=60000 \
-      --tokens $tokens --iters $iters --warmup 1 --check-tokens 8 "${extra[@]}" >"$log" 2>&1
+      --tokens $tokens --iters $iters --warmup 1 --check-tokens 8 \
+      --dump-check "$work/check-$policy-$mode.safetensors" "${extra[@]}" >"$log" 2>&1
     rc=$?
     line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
     echo "  requant=$policy dispatch=$mode: ${line#megamoe-host: }"
     # dispatch / compute / combine per token count, device-timed (rank 0)
     grep '^megamoe-host: rank 0 T[0-9]* phases' "$log" | sed 's/^megamoe-host: /    /'
+    dump=$work/check-$policy-$mode.safetensors
+    [ -e "$dump" ] || dump=$dump.rank0 # several ranks: each wrote its own
+    if [ $rc -eq 0 ] && [ -n "$oracle_py" ]; then
+      "$oracle_py" "$src/scripts/layer_oracle.py" --checkpoint "$work/ckpt" --dump "$dump" \
+        --requant $policy --tolerance $oracle_tol >"$log.oracle" 2>&1 || rc=1
+      sed 's/^/    /' "$log.oracle"
+      oracles+=("$(sed -n 's/.*operator rel \([^ ,]*\).*/\1/p' "$log.oracle")")
+    fi
     if [ $rc -eq 0 ] && [[ $line == *PASS* ]]; then pass=$((pass + 1)); else
       fail=$((fail + 1)); tail -15 "$log" | sed 's/^/    /'; fi
     summary+=("$policy/$mode: ${line#megamoe-host: }")
@@ -111,11 +133,14 @@ for policy in none group16-to-group32; do
 done
 # One line: verdict, worst error against the reference, per-layer timings.
 worst=$(printf '%s\n' "${summary[@]}" | sed -n 's/.*rel_err=\([^ ]*\).*/\1/p' | sort -g | tail -1)
+oracle=$([ ${#oracles[@]} -gt 0 ] && printf '%s\n' "${oracles[@]}" | sort -g | tail -1 || echo skipped)
 times=$(printf '%s\n' "${summary[@]}" | sed -n 's|^\([^:]*\):.* \(T[0-9].*ms/layer\).*|\1 \2|p' | paste -sd ';' -)
 where=$([ "$gpus" -gt 0 ] && echo "$gpus GPU(s), ep-size $gpus" || echo cpu-reference)
 if [ $fail -eq 0 ]; then
-  echo "e2e_smoke: PASS ($pass/$((pass + fail)) runs, $where) worst rel_err=${worst:-n/a}; $times"
+  echo "e2e_smoke: PASS ($pass/$((pass + fail)) runs, $where) worst rel_err=${worst:-n/a}" \
+    "oracle=${oracle:-n/a}; $times"
   exit 0
 fi
-echo "e2e_smoke: FAIL ($fail of $((pass + fail)) runs failed, $where) worst rel_err=${worst:-n/a}; $times"
+echo "e2e_smoke: FAIL ($fail of $((pass + fail)) runs failed, $where) worst rel_err=${worst:-n/a}" \
+  "oracle=${oracle:-n/a}; $times"
 exit 1
