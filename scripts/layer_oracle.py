@@ -12,6 +12,8 @@ its reference is the same code.
 
     layer_oracle.py --checkpoint DIR --dump FILE [--requant none|group16-to-group32]
                     [--routed-scaling-factor X] [--activation-clamp C] [--tolerance T]
+                    [--tokens N]   (the first N dumped tokens only: its time
+                                    goes with the experts they reach)
     layer_oracle.py --self-test GOLDEN_DIR    its formats and requant against the
                                               golden vectors (../shared/golden)
 
@@ -82,7 +84,7 @@ class Tensors:
 # ---- number formats ----------------------------------------------------------------
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-MAG = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+E2M1_PAIRS = np.stack([E2M1[np.arange(256) & 15], E2M1[np.arange(256) >> 4]], axis=1)
 
 
 def e4m3_table():
@@ -138,28 +140,43 @@ def quant_fp8(x):
 # ---- weights -----------------------------------------------------------------------
 
 
-def load_proj(ck, prefix, requant):
-    """One projection: (W as float32 [N, K] without the row factor, row factor [N])."""
+def load_proj(ck, prefix):
+    """One projection as stored: (codes [N, K/2], scale values [N, K/g], global)."""
     codes, _ = ck.get(prefix + ".weight")
     scales, sdt = ck.get(prefix + ".weight_scale")
-    N, K = codes.shape[0], codes.shape[1] * 2
-    c = np.empty((N, K), np.uint8)
-    c[:, 0::2] = codes & 15
-    c[:, 1::2] = codes >> 4
     if sdt == "F8_E4M3":
         s = E4M3[scales]
     elif sdt in ("U8", "F8_E8M0"):
         s = UE8M0[scales]
     else:
         raise ValueError(f"{prefix}.weight_scale: dtype {sdt} not handled")
-    gran = K // scales.shape[1]
-    w = E2M1[c] * np.repeat(s, gran, axis=1)  # exact in float32
     g = np.float32(1.0)
     if ck.has(prefix + ".weight_scale_2"):
         g = np.float32(ck.get(prefix + ".weight_scale_2")[0].reshape(-1)[0])
+    return codes, s, g
+
+
+def dequant(codes, s, g, requant):
+    """Rows of a projection: (W as float32 without the row factor, the row factor)."""
+    N, K = codes.shape[0], codes.shape[1] * 2
+    gran = K // s.shape[1]
+    # a byte's two values (element 2j in the low nibble) times the group scale: exact
+    w = (E2M1_PAIRS[codes].reshape(N, K // gran, gran) * s[:, :, None]).reshape(N, K)
     if requant and gran == 16:
         return requant_g32(w * g), np.ones(N, np.float32)
     return w, np.full(N, g, np.float32)
+
+
+def project(ck, prefix, requant, x):
+    """x @ W^T times the row factors, in float64, 256 weight rows at a time
+    (small temporaries)."""
+    codes, s, g = load_proj(ck, prefix)
+    n = codes.shape[0]
+    y = np.empty((x.shape[0], n), np.float64)
+    for r0 in range(0, n, 256):
+        w, r = dequant(codes[r0:r0 + 256], s[r0:r0 + 256], g, requant)
+        y[:, r0:r0 + w.shape[0]] = x @ w.astype(np.float64).T * r.astype(np.float64)
+    return y
 
 
 def requant_g32(v):
@@ -177,11 +194,14 @@ def requant_g32(v):
     b = np.clip(np.where(ex == 0, 0, b), 0, 254)
     b = np.where(amax == 0, 127, b)
     inv = np.ldexp(1.0, 127 - b).astype(np.float32)[:, :, None]
-    m = np.abs(g * inv)
-    q = ((m > 0.25).astype(np.int64) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5)
-         + (m >= 3.5) + (m > 5.0))
+    x = g * inv  # |x| <= 6
+    m = np.abs(x)
+    # the nearest E2M1 magnitude, ties to the even code: the grid is 0.5 apart
+    # below 2, 1 apart up to 4, 2 apart up to 6, and on each grid an even
+    # multiple is an even code, so rint (ties to even) rounds right
+    r = np.where(m < 2, np.rint(m * 2) * 0.5, np.where(m < 4, np.rint(m), np.rint(m * 0.5) * 2))
     step = np.ldexp(1.0, b - 127)[:, :, None]
-    return (np.sign(g) * MAG[q] * step).astype(np.float32).reshape(N, K)
+    return (np.copysign(r, x) * step).astype(np.float32).reshape(N, K)
 
 
 # ---- the layer ---------------------------------------------------------------------
@@ -190,18 +210,15 @@ def requant_g32(v):
 def expert_rows(ck, layer, e, x, pw, requant, clamp):
     """BF16-rounded outputs (float32 [m, H]) of expert e for FP8-dequantized rows x."""
     base = f"model.layers.{layer}.mlp.experts.{e}."
-    wg, rg = load_proj(ck, base + "gate_proj", requant)
-    wu, ru = load_proj(ck, base + "up_proj", requant)
-    wd, rd = load_proj(ck, base + "down_proj", requant)
-    gate = round_bf16((x @ wg.astype(np.float64).T * rg.astype(np.float64)).astype(np.float32))
-    up = round_bf16((x @ wu.astype(np.float64).T * ru.astype(np.float64)).astype(np.float32))
+    gate = round_bf16(project(ck, base + "gate_proj", requant, x).astype(np.float32))
+    up = round_bf16(project(ck, base + "up_proj", requant, x).astype(np.float32))
     if clamp > 0:
         c = np.float32(clamp)
         gate = np.minimum(gate, c)
         up = np.clip(up, -c, c)
     silu = gate / (np.float32(1.0) + np.exp(-gate))
     a = (silu * up) * pw[:, None]
-    y = quant_fp8(a.astype(np.float32)) @ wd.astype(np.float64).T * rd.astype(np.float64)
+    y = project(ck, base + "down_proj", requant, quant_fp8(a.astype(np.float32)))
     return round_bf16(y.astype(np.float32))
 
 
@@ -219,7 +236,8 @@ def self_test(golden):
                  "nvfp4_exotic_scales", "ue8m0_g16"):
         path = os.path.join(golden, name + ".safetensors")
         t = Tensors(path)
-        got = requant_g32(load_proj(t, "src", False)[0] * load_proj(t, "src", False)[1][:, None])
+        codes, sv, g = load_proj(t, "src")
+        got = requant_g32(dequant(codes, sv, g, False)[0] * g)
         codes, _ = t.get("dst.weight")
         scales, _ = t.get("dst.weight_scale")
         c = np.empty((codes.shape[0], codes.shape[1] * 2), np.uint8)
@@ -240,6 +258,7 @@ def main():
     ap.add_argument("--routed-scaling-factor", type=float, default=1.0)
     ap.add_argument("--activation-clamp", type=float, default=0.0)
     ap.add_argument("--tolerance", type=float, default=1e-2)
+    ap.add_argument("--tokens", type=int, default=0)
     a = ap.parse_args()
     if a.self_test:
         return self_test(a.self_test)
@@ -257,6 +276,8 @@ def main():
     except (OSError, KeyError, ValueError) as e:
         print(f"layer_oracle: cannot read the inputs: {e}", file=sys.stderr)
         return 2
+    if a.tokens > 0:
+        hidden, ids, tw, out, ref = (v[:a.tokens] for v in (hidden, ids, tw, out, ref))
     S, H = hidden.shape
     x = quant_fp8(hidden)
     rows = np.zeros((S, ids.shape[1], H), np.float32)
