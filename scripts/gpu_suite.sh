@@ -125,13 +125,23 @@ if [[ " $steps " == *" requant "* ]]; then
   # requant.policy group16-to-group32 on the GLM-5 checkpoint, the requant on
   # the host's cores and on the GPU (MEGAMOE_SM90_REQUANT): load time
   # (prepare=) and the check against the reference, each.
+  # Rank 0's checked tokens also go to scripts/layer_oracle.py (2 of them).
   glm_ckpt
   for where in host gpu; do
+    rm -f "$out/requant-$where.st" "$out/requant-$where.st.rank0"
     MEGAMOE_SM90_REQUANT=$where MEGAMOE_LOG_LEVEL=info timeout 600 "${glm_host[@]}" \
       --set requant.policy=group16-to-group32 --set num-max-tokens-per-rank=1024 --tokens 128,1024 \
-      --iters 5 --warmup 1 --check-tokens 4 >"$out/requant-$where.log" 2>&1
+      --iters 5 --warmup 1 --check-tokens 4 --dump-check "$out/requant-$where.st" \
+      >"$out/requant-$where.log" 2>&1
     row "requant on the $where" "rc=$? $(grep -o 'prepare=[0-9.]*s' "$out/requant-$where.log" | head -1) $(grep -E 'PASS|FAIL' "$out/requant-$where.log" | tail -1 | sed 's/.*rel_err/rel_err/')"
     grep -m2 'requantized' "$out/requant-$where.log" | cut -c1-240
+    st=$out/requant-$where.st
+    [ -e "$st" ] || st=$st.rank0
+    if [ -e "$st" ] && python3 -c 'import numpy' 2>/dev/null; then
+      timeout 300 python3 "$src/scripts/layer_oracle.py" --checkpoint "$ck" --dump "$st" \
+        --requant group16-to-group32 --tolerance 0.02 --tokens 2 >"$out/requant-$where.oracle" 2>&1
+      row "  layer_oracle ($where requant)" "rc=$? $(sed -n 's/.*\(operator rel [^,]*\).*/\1/p' "$out/requant-$where.oracle")"
+    fi
   done
 fi
 if [[ " $steps " == *" mp "* ]]; then
