@@ -224,6 +224,11 @@ static int parse_args(int argc, char **argv) {
                     "reference\n");
     opt.check_tokens = 0;
   }
+  if (opt.dump_check && opt.check_tokens <= 0) {
+    fprintf(stderr, "megamoe-host: --dump-check writes the checked tokens: it needs --check-tokens "
+                    "above 0 and a nonzero --tokens size\n");
+    return -1;
+  }
   if (!opt.rendezvous) {
     if (opt.rank >= 0 || opt.local_device >= 0 || opt.rendezvous_serve >= 0) {
       fprintf(stderr, "megamoe-host: --rank, --local-device and --[no-]rendezvous-serve need --rendezvous\n");

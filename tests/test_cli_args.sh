@@ -45,6 +45,8 @@ refused "set needs KEY=VALUE.*'foo'" $run --set foo || bad=1
 refused "unknown argument '--bogus'" $run --bogus || bad=1
 refused "unknown argument 'stray'" $run stray || bad=1
 refused "--plugin needs a value" "$host" --plugin || bad=1
+refused "dump-check .* needs --check-tokens" $run --check-tokens 0 --dump-check "$dir/d.st" || bad=1
+refused "dump-check .* needs --check-tokens" $run --tokens 0 --dump-check "$dir/d.st" || bad=1
 check "megamoe-host refuses bad option values, naming the option" $bad
 
 refused "layers 3, but .* holds 2 layer" $run --layers 3
