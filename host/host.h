@@ -52,6 +52,7 @@ extern const host_group *g_group;
 /* ---- one rank ------------------------------------------------------------------ */
 typedef struct {
   int rank, device;        /* global rank; CUDA ordinal or -1 (host) */
+  int world;               /* ranks in all (threads, or processes with --rendezvous) */
   int ep_rank;             /* rank inside its expert-parallel group */
   const char *comm_key;    /* the group's kv namespace (NULL: the plugin's default) */
   const mm_st_ckpt *ck;

@@ -129,6 +129,7 @@ void init_rank(rank_work *w, const host_setup *su, int r, int device) {
   static char keys[MAX_RANKS][32];
   memset(w, 0, sizeof *w);
   w->rank = r;
+  w->world = su->world;
   w->device = device;
   w->ep_rank = r % su->ep;
   if (su->world > su->ep) { /* several groups: each bootstraps under its own keys */
@@ -482,7 +483,7 @@ static int dump_check(const rank_work *w, int S, const uint16_t *h, const int32_
                       const float *wt, const int *rows, const uint16_t *ref_out) {
   const int H = w->H, K = w->K;
   char path[4096], meta[32];
-  if (opt.world > 1) snprintf(path, sizeof path, "%s.rank%d", opt.dump_check, w->rank);
+  if (w->world > 1) snprintf(path, sizeof path, "%s.rank%d", opt.dump_check, w->rank);
   else snprintf(path, sizeof path, "%s", opt.dump_check);
   uint16_t *got = malloc(sizeof(uint16_t) * (size_t)S * H + 2);
   mm_st_writer *wr = NULL;

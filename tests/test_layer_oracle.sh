@@ -2,7 +2,8 @@
 # scripts/layer_oracle.py, the independent numpy model e2e_smoke.sh checks
 # the operator with: its formats and requant against the golden vectors;
 # megamoe-host --cpu --dump-check runs (NVFP4 with both requant policies,
-# MXFP4, a routed scaling factor and an activation clamp) that it passes;
+# MXFP4, a routed scaling factor and an activation clamp, two ranks) that it
+# passes;
 # and that it fails a wrong setting and a changed output. Skips where no
 # python3 has numpy (scripts/bootstrap.sh installs python3-numpy).
 . "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
@@ -16,7 +17,7 @@ synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
 oracle=$s/scripts/layer_oracle.py
 golden=${MEGAMOE_GOLDEN_DIR:-$s/../shared/golden}
-tap_start 7 "$host" "$synth" "$plugin" "$oracle"
+tap_start 8 "$host" "$synth" "$plugin" "$oracle"
 tap_show=$dir/log
 
 if [ -e "$golden/codecs.safetensors" ]; then
@@ -60,6 +61,12 @@ check "mxfp4 (UE8M0 group 32): match" $?
 run nvfp4 sc --set model.routed-scaling-factor=2.5 --set model.activation-clamp=0.75 &&
   oracle nvfp4 sc --routed-scaling-factor 2.5 --activation-clamp 0.75
 check "routed scaling factor and activation clamp: match" $?
+
+# Two ranks (threads, ep-size 1 each): one file per rank, each checks out.
+run nvfp4 w2 --world 2 --set ep-size=1 && [ ! -e "$dir/w2.st" ] &&
+  mv "$dir/w2.st.rank1" "$dir/w2b.st" && mv "$dir/w2.st.rank0" "$dir/w2.st" &&
+  oracle nvfp4 w2 && oracle nvfp4 w2b
+check "two ranks: FILE.rank0 and FILE.rank1, both match" $?
 
 # It can fail: the requant run judged as if not requantized, and the same
 # run judged with the clamp left out.
