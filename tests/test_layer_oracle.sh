@@ -3,9 +3,8 @@
 # the operator with: its formats and requant against the golden vectors;
 # megamoe-host --cpu --dump-check runs (NVFP4 with both requant policies,
 # MXFP4, a routed scaling factor and an activation clamp, two ranks) that it
-# passes;
-# and that it fails a wrong setting and a changed output. Skips where no
-# python3 has numpy (scripts/bootstrap.sh installs python3-numpy).
+# passes; and that it fails a wrong setting and a changed output. Skips where
+# no python3 has numpy (scripts/bootstrap.sh installs python3-numpy).
 . "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
 py=
 for p in python3 /usr/bin/python3; do
