@@ -17,7 +17,7 @@
 # Exit: 0 clean, 1 valgrind found something (logs printed), 77 cannot run here.
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
-build=${BUILD_DIR:-$src/build}
+build=$(cd "${BUILD_DIR:-$src/build}" 2>/dev/null && pwd) || { echo "valgrind_host: no build folder ${BUILD_DIR:-$src/build}"; exit 77; }
 host=$build/host/megamoe-host
 plugin=$build/plugin/.libs/libmegamoe_plugin.so
 synth=${SYNTH:-$build/host/megamoe-synth}
@@ -83,7 +83,7 @@ run() { # name want_rc args...
   fi
 }
 run forward 0 --config "$work/cfg.yaml" --checkpoint "$work/ckpt" --cpu --tokens 16,5 \
-  --iters 2 --warmup 1 --check-tokens 4
+  --iters 2 --warmup 1 --check-tokens 4 --dump-check "$work/check.st"
 run validate 0 --config "$work/cfg.yaml" --validate
 run bad-config 1 --config "$work/bad.yaml" --validate
 run no-checkpoint 1 --config "$work/cfg.yaml" --checkpoint "$work/nope" --cpu
