@@ -285,7 +285,11 @@ def main():
     for e in sorted(set(int(i) for i in ids.reshape(-1) if i >= 0)):
         t, k = np.nonzero(ids == e)
         pw = tw[t, k].astype(np.float32) * np.float32(a.routed_scaling_factor)
-        rows[t, k] = expert_rows(ck, layer, e, x[t], pw, requant, a.activation_clamp)
+        try:
+            rows[t, k] = expert_rows(ck, layer, e, x[t], pw, requant, a.activation_clamp)
+        except (OSError, KeyError, ValueError) as err:
+            print(f"layer_oracle: layer {layer} expert {e}: cannot read {err}", file=sys.stderr)
+            return 2
     acc = np.zeros((S, H), np.float32)
     for k in range(ids.shape[1]):  # FP32 sum over k ascending
         acc = np.where((ids[:, k] >= 0)[:, None], acc + rows[:, k], acc)
