@@ -16,7 +16,7 @@ synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
 oracle=$s/scripts/layer_oracle.py
 golden=${MEGAMOE_GOLDEN_DIR:-$s/../shared/golden}
-tap_start 8 "$host" "$synth" "$plugin" "$oracle"
+tap_start 9 "$host" "$synth" "$plugin" "$oracle"
 tap_show=$dir/log
 
 if [ -e "$golden/codecs.safetensors" ]; then
@@ -97,3 +97,11 @@ rc=$?
 ref_rel=$(sed -n 's/.*cpu-reference rel \([^ ]*\) .*/\1/p' "$dir/log")
 [ $rc = 1 ] && awk -v r="$ref_rel" 'BEGIN { exit !(r != "" && r + 0 <= 1e-3) }'
 check "fails a changed output, the reference's still within tolerance" $?
+
+# Inputs it cannot use are an error (exit 2), not a verdict.
+"$py" "$oracle" --checkpoint "$dir/ck-nvfp4" --dump "$dir/missing.st" >"$dir/log" 2>&1
+r1=$?
+"$py" "$oracle" --checkpoint "$dir/nowhere" --dump "$dir/plain.st" >"$dir/log" 2>&1
+r2=$?
+[ $r1 = 2 ] && [ $r2 = 2 ]
+check "a missing dump or checkpoint: exit 2" $?
