@@ -110,6 +110,7 @@ summary=() oracles=()
 for policy in none group16-to-group32; do
   for mode in $modes; do
     log=$work/run-$policy-$mode.log
+    rm -f "$work/check-$policy-$mode.safetensors"* # E2E_WORK may hold an earlier run's
     "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
       --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
       --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
