@@ -9,7 +9,10 @@
 
 #include "parallel.h"
 
-/* Code and scale-byte values, looked up instead of decoded per weight. */
+/* Code and scale-byte values, looked up instead of decoded per weight.
+ * The scale too, though it changes once per group: decoding it there
+ * (mm_qmat_group_scale) made a 1-token call 1.7x slower (186 against 112 ms
+ * per 16-expert GLM-5 layer on 2 cores). */
 typedef struct {
   float e2m1[16];
   float scale[256]; /* E4M3 or UE8M0 by the matrix's format */

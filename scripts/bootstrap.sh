@@ -25,7 +25,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 # numpy, for scripts/layer_oracle.py (e2e_smoke.sh's independent check and its
 # test): optional, so a failed install only skips those checks.
-if ! python3 -c 'import numpy' 2>/dev/null && ! /usr/bin/python3 -c 'import numpy' 2>/dev/null; then
+if ! "$src/scripts/numpy_python.sh" >/dev/null; then
   echo "bootstrap: installing python3-numpy (optional)"
   if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
   { DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \

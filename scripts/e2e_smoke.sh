@@ -93,10 +93,7 @@ echo "e2e_smoke: synthesizing an NVFP4 checkpoint in $work/ckpt"
   { tail -5 "$work/synth.log"; echo "e2e_smoke: FAIL (synth)"; exit 1; }
 
 # The oracle's python: one with numpy (bootstrap.sh installs python3-numpy).
-oracle_py=
-for p in python3 /usr/bin/python3; do
-  "$p" -c 'import numpy' 2>/dev/null && { oracle_py=$p; break; }
-done
+oracle_py=$("$src/scripts/numpy_python.sh")
 [ -n "$oracle_py" ] || echo "e2e_smoke: no python3 with numpy: layer_oracle.py checks skipped"
 # The operator against the oracle: exact up to the order of FP64 sums on the
 # CPU; on GPUs the host's tolerance (mode 3's weight fold is lossy).

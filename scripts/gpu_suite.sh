@@ -137,8 +137,8 @@ if [[ " $steps " == *" requant "* ]]; then
     grep -m2 'requantized' "$out/requant-$where.log" | cut -c1-240
     st=$out/requant-$where.st
     [ -e "$st" ] || st=$st.rank0
-    if [ -e "$st" ] && python3 -c 'import numpy' 2>/dev/null; then
-      timeout 300 python3 "$src/scripts/layer_oracle.py" --checkpoint "$ck" --dump "$st" \
+    if [ -e "$st" ] && py=$("$src/scripts/numpy_python.sh"); then
+      timeout 300 "$py" "$src/scripts/layer_oracle.py" --checkpoint "$ck" --dump "$st" \
         --requant group16-to-group32 --tolerance 0.02 --tokens 2 >"$out/requant-$where.oracle" 2>&1
       row "  layer_oracle ($where requant)" "rc=$? $(sed -n 's/.*\(operator rel [^,]*\).*/\1/p' "$out/requant-$where.oracle")"
     fi

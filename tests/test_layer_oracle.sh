@@ -6,10 +6,7 @@
 # passes; and that it fails a wrong setting and a changed output. Skips where
 # no python3 has numpy (scripts/bootstrap.sh installs python3-numpy).
 . "${MEGAMOE_SRCDIR:-..}/tests/tap.sh"
-py=
-for p in python3 /usr/bin/python3; do
-  "$p" -c 'import numpy' 2>/dev/null && { py=$p; break; }
-done
+py=$("$s/scripts/numpy_python.sh")
 [ -n "$py" ] || { echo "1..0 # SKIP no python3 with numpy"; exit 0; }
 host=$b/host/megamoe-host
 synth=$b/host/megamoe-synth
