@@ -9,6 +9,14 @@
 
 #include "parallel.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MM_REF_HAVE_AVX2 1
+#define MM_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define MM_REF_HAVE_AVX2 0
+#define MM_ALWAYS_INLINE
+#endif
+
 /* Code and scale-byte values, looked up instead of decoded per weight.
  * The scale too, though it changes once per group: decoding it there
  * (mm_qmat_group_scale) made a 1-token call 1.7x slower (186 against 112 ms
@@ -26,7 +34,8 @@ static void decode_tables_init(decode_tables *t, mm_scale_format sf) {
 
 /* Decodes row r of m (e2m1 * group scale, exact in FP32 and so in FP64)
  * into w[cols]: a 16-entry table per group, then a lookup per code. */
-static void decode_row(const mm_qmat *m, const decode_tables *t, int r, double *w) {
+static inline MM_ALWAYS_INLINE void decode_row(const mm_qmat *m, const decode_tables *t, int r,
+                                               double *w) {
   const uint8_t *codes = m->codes + (size_t)r * (size_t)(m->cols / 2);
   const uint8_t *scales = m->scales + (size_t)r * (size_t)(m->cols / m->gran);
   const int groups = m->cols / m->gran;
@@ -48,18 +57,25 @@ static void decode_row(const mm_qmat *m, const decode_tables *t, int r, double *
  * result is the same whichever tokens share the call, and the same for any
  * thread count. Several tokens per pass read each weight once from the
  * cache for all of them; the partial sums are independent chains (one chain
- * would wait on the adder's latency at every element). */
-static inline void dots(const double *x, size_t ldx, int nt, const double *w, int K,
-                        double *out) {
-  double acc[4][4] = {{0}};
-  int k = 0;
-  for (; k + 4 <= K; k += 4)
-    for (int t = 0; t < nt; t++)
-      for (int l = 0; l < 4; l++) acc[t][l] += x[(size_t)t * ldx + (size_t)(k + l)] * w[k + l];
-  for (; k < K; k++)
-    for (int t = 0; t < nt; t++) acc[t][0] += x[(size_t)t * ldx + (size_t)k] * w[k];
-  for (int t = 0; t < nt; t++) out[t] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]);
-}
+ * would wait on the adder's latency at every element). NT is a constant at
+ * each call, so the sums stay in registers (a token's four in one AVX2
+ * register). */
+#define DEFINE_DOTS(NT)                                                                 \
+  static inline void dots##NT(const double *x, size_t ldx, const double *w, int K,     \
+                              double *out) {                                            \
+    double acc[NT][4];                                                                  \
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0;   \
+    int k = 0;                                                                          \
+    for (; k + 4 <= K; k += 4)                                                          \
+      _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                              \
+        for (int l = 0; l < 4; l++) acc[t][l] += x[(size_t)t * ldx + (size_t)(k + l)] * w[k + l]; \
+    for (; k < K; k++)                                                                  \
+      for (int t = 0; t < NT; t++) acc[t][0] += x[(size_t)t * ldx + (size_t)k] * w[k];   \
+    for (int t = 0; t < NT; t++) out[t] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]); \
+  }
+DEFINE_DOTS(1)
+DEFINE_DOTS(4)
+#undef DEFINE_DOTS
 
 /* y[i][n] = (float)(row_scale[n] * sum_k x[i][k] * W[n][k]) for rows n in
  * [begin, end); x is dequantized activations in double [m, K]. */
@@ -70,7 +86,7 @@ typedef struct {
   float *y; /* [m, w->rows] */
 } gemm_job;
 
-static void gemm_rows(void *ctx, size_t begin, size_t end) {
+static inline MM_ALWAYS_INLINE void gemm_rows_body(void *ctx, size_t begin, size_t end) {
   gemm_job *j = ctx;
   int K = j->w->cols;
   double *wrow = malloc(sizeof(double) * (size_t)K);
@@ -87,15 +103,56 @@ static void gemm_rows(void *ctx, size_t begin, size_t end) {
       double acc[4];
       const double *xi = j->x + (size_t)i * (size_t)K;
       if (j->m - i >= 4)
-        dots(xi, (size_t)K, 4, wrow, K, acc); /* constant counts: unrolled */
+        dots4(xi, (size_t)K, wrow, K, acc);
       else
-        for (int t = 0; t < j->m - i; t++) dots(xi + (size_t)t * (size_t)K, (size_t)K, 1, wrow, K, &acc[t]);
+        for (int t = 0; t < j->m - i; t++) dots1(xi + (size_t)t * (size_t)K, (size_t)K, wrow, K, &acc[t]);
       for (int t = 0; t < 4 && i + t < j->m; t++)
         j->y[(size_t)(i + t) * (size_t)j->w->rows + n] = (float)(acc[t] * (double)j->w->row_scale[n]);
     }
   }
   free(wrow);
   free(tabs);
+}
+
+/* The row loop compiled twice: for AVX2 (a token's four partial sums in one
+ * register) and for the baseline ISA. Both add the same products in the same
+ * order, and each product is exact in FP64 (an E4M3 x FP32 activation times
+ * an e2m1 x scale weight: at most 34 significant bits), so their results are
+ * bit-identical, FMA or not (test_ref_moe's test_simd_identical). */
+static void gemm_rows_base(void *ctx, size_t begin, size_t end) { gemm_rows_body(ctx, begin, end); }
+#if MM_REF_HAVE_AVX2
+__attribute__((target("avx2"))) static void gemm_rows_avx2(void *ctx, size_t begin, size_t end) {
+  gemm_rows_body(ctx, begin, end);
+}
+#endif
+
+/* -1: by the CPU; 0: baseline; 1: AVX2 where the CPU has it. Set by tests,
+ * else from MEGAMOE_REF_SIMD (0 or 1; docs/CONFIG.md) at first use (ops on
+ * several threads may get there at once: each stores the same value). */
+static _Atomic int g_simd = -2; /* -2: not read yet */
+
+int mm_ref_set_simd(int mode) {
+  g_simd = mode < 0 ? -1 : mode > 0;
+  return mm_ref_simd_active();
+}
+
+int mm_ref_simd_active(void) {
+#if MM_REF_HAVE_AVX2
+  if (g_simd == -2) {
+    const char *v = getenv("MEGAMOE_REF_SIMD");
+    g_simd = v && v[0] == '0' && !v[1] ? 0 : -1;
+  }
+  return g_simd != 0 && __builtin_cpu_supports("avx2");
+#else
+  return 0;
+#endif
+}
+
+static mm_range_fn gemm_rows_fn(void) {
+#if MM_REF_HAVE_AVX2
+  if (mm_ref_simd_active()) return gemm_rows_avx2;
+#endif
+  return gemm_rows_base;
 }
 
 static void dequant_act(const uint8_t *q, const float *s, int m, int K, double *x) {
@@ -127,7 +184,7 @@ void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
   /* L1: [m, H] x [2I, H]^T */
   dequant_act(xq, xs, m, H, x);
   gemm_job j1 = {&e->w13, x, m, h};
-  mm_parallel_for((size_t)(2 * I), nthreads, gemm_rows, &j1);
+  mm_parallel_for((size_t)(2 * I), nthreads, gemm_rows_fn(), &j1);
   /* SwiGLU with the top-k weight, then FP8 per 128 channels. */
   for (int i = 0; i < m; i++) {
     const float *hi = h + (size_t)i * 2 * (size_t)I;
@@ -147,7 +204,7 @@ void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
   /* L2: [m, I] x [H, I]^T */
   dequant_act(aq, as, m, I, x);
   gemm_job j2 = {&e->w2, x, m, y};
-  mm_parallel_for((size_t)H, nthreads, gemm_rows, &j2);
+  mm_parallel_for((size_t)H, nthreads, gemm_rows_fn(), &j2);
   for (size_t i = 0; i < (size_t)m * (size_t)H; i++) out[i] = mm_float_to_bf16(y[i]);
 done:
   free(x);

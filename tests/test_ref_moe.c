@@ -165,43 +165,95 @@ static void test_bad_ids(void) {
  * the thread count: a call of 7 tokens against one call per token, and 1
  * against 3 threads, bit for bit. Wide scale ranges, so that the float64
  * sums can round. */
-static void test_batch_invariance(void) {
-  const int H = 512, I = 256, m = 7;
+/* One expert with scales 2^-6 .. 2^8 and m rows of FP8 inputs without NaN. */
+typedef struct {
   mm_expert_q ex;
-  make_qmat(&ex.w13, 2 * I, H, 16);
-  make_qmat(&ex.w2, H, I, 16);
+  uint8_t *xq;
+  float *xs, *rw;
+} expert_case;
+
+static void make_expert_case(expert_case *c, int H, int I, int m) {
+  make_qmat(&c->ex.w13, 2 * I, H, 16);
+  make_qmat(&c->ex.w2, H, I, 16);
   for (size_t i = 0; i < (size_t)2 * I * (H / 16); i++)
-    ex.w13.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70); /* 2^-6 .. 2^8 */
+    c->ex.w13.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70); /* 2^-6 .. 2^8 */
   for (size_t i = 0; i < (size_t)H * (I / 16); i++)
-    ex.w2.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70);
-  uint8_t *xq = malloc((size_t)m * H);
-  float *xs = malloc(sizeof(float) * (size_t)m * (H / 128)), rw[7];
+    c->ex.w2.scales[i] = (uint8_t)(0x08 + mm_test_rand_u64() % 0x70);
+  c->xq = malloc((size_t)m * H);
+  c->xs = malloc(sizeof(float) * (size_t)m * (H / 128));
+  c->rw = malloc(sizeof(float) * (size_t)m);
   for (size_t i = 0; i < (size_t)m * H; i++) {
     uint8_t b = (uint8_t)mm_test_rand_u64();
-    xq[i] = (b & 0x7F) == 0x7F ? 0x7E : b; /* no NaN */
+    c->xq[i] = (b & 0x7F) == 0x7F ? 0x7E : b; /* no NaN */
   }
-  for (int i = 0; i < m * (H / 128); i++) xs[i] = mm_test_uniform(1e-3f, 1.0f);
-  for (int i = 0; i < m; i++) rw[i] = mm_test_uniform(0.1f, 1.0f);
+  for (int i = 0; i < m * (H / 128); i++) c->xs[i] = mm_test_uniform(1e-3f, 1.0f);
+  for (int i = 0; i < m; i++) c->rw[i] = mm_test_uniform(0.1f, 1.0f);
+}
+
+static void free_expert_case(expert_case *c) {
+  free(c->xq);
+  free(c->xs);
+  free(c->rw);
+  mm_qmat_free(&c->ex.w13);
+  mm_qmat_free(&c->ex.w2);
+}
+
+static void test_batch_invariance(void) {
+  const int H = 512, I = 256, m = 7;
+  expert_case c;
+  make_expert_case(&c, H, I, m);
   uint16_t *all = malloc(sizeof(uint16_t) * (size_t)m * H), *all3 = malloc(sizeof(uint16_t) * (size_t)m * H);
   uint16_t *one = malloc(sizeof(uint16_t) * (size_t)H);
-  mm_ref_expert_rows_mt(&ex, m, xq, xs, rw, 0.0f, 1, all);
-  mm_ref_expert_rows_mt(&ex, m, xq, xs, rw, 0.0f, 3, all3);
+  mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, 0.0f, 1, all);
+  mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, 0.0f, 3, all3);
   int diff_threads = 0, diff_batch = 0, nan = 0;
   for (size_t i = 0; i < (size_t)m * H; i++) {
     diff_threads += all[i] != all3[i];
     nan += (all[i] & 0x7FFF) > 0x7F80;
   }
   for (int t = 0; t < m; t++) {
-    mm_ref_expert_rows_mt(&ex, 1, xq + (size_t)t * H, xs + (size_t)t * (H / 128), &rw[t], 0.0f, 2,
-                          one);
-    for (int c = 0; c < H; c++) diff_batch += one[c] != all[(size_t)t * H + c];
+    mm_ref_expert_rows_mt(&c.ex, 1, c.xq + (size_t)t * H, c.xs + (size_t)t * (H / 128), &c.rw[t],
+                          0.0f, 2, one);
+    for (int k = 0; k < H; k++) diff_batch += one[k] != all[(size_t)t * H + k];
   }
   CHECK_EQ_INT(nan, 0);
   CHECK_EQ_INT(diff_threads, 0);
   CHECK_EQ_INT(diff_batch, 0);
-  free(xq); free(xs); free(all); free(all3); free(one);
-  mm_qmat_free(&ex.w13);
-  mm_qmat_free(&ex.w2);
+  free(all); free(all3); free(one);
+  free_expert_case(&c);
+}
+
+/* The AVX2 build of the dot products gives the baseline build's bits: 9 rows
+ * (two blocks of 4 tokens and one alone), with and without a clamp. */
+static void test_simd_identical(void) {
+  const int H = 768, I = 384, m = 9;
+  if (!mm_ref_set_simd(1)) {
+    printf("# this CPU has no AVX2 (or the build no x86-64 path): baseline only\n");
+    mm_ref_set_simd(-1);
+    return;
+  }
+  expert_case c;
+  make_expert_case(&c, H, I, m);
+  uint16_t *v = malloc(sizeof(uint16_t) * (size_t)m * H), *base = malloc(sizeof(uint16_t) * (size_t)m * H);
+  for (int clamped = 0; clamped < 2; clamped++) {
+    const float clamp = clamped ? 3.0f : 0.0f;
+    for (size_t i = 0; i < (size_t)m * H; i++) v[i] = base[i] = 0x7FC1; /* poison */
+    CHECK_EQ_INT(mm_ref_set_simd(1), 1);
+    mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, clamp, 2, v);
+    CHECK_EQ_INT(mm_ref_set_simd(0), 0);
+    mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, clamp, 2, base);
+    int diff = 0, nan = 0;
+    for (size_t i = 0; i < (size_t)m * H; i++) {
+      diff += v[i] != base[i];
+      nan += (v[i] & 0x7FFF) > 0x7F80;
+    }
+    CHECK_EQ_INT(nan, 0);
+    CHECK_EQ_INT(diff, 0);
+  }
+  mm_ref_set_simd(-1);
+  free(v);
+  free(base);
+  free_expert_case(&c);
 }
 
 int main(void) {
@@ -212,5 +264,6 @@ int main(void) {
   RUN(test_masked_and_empty_experts);
   RUN(test_bad_ids);
   RUN(test_batch_invariance);
+  RUN(test_simd_identical);
   return mm_test_done();
 }
