@@ -7,15 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
 #include "parallel.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MM_REF_HAVE_AVX2 1
-#define MM_ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define MM_REF_HAVE_AVX2 0
-#define MM_ALWAYS_INLINE
-#endif
 
 /* Code and scale-byte values, looked up instead of decoded per weight.
  * The scale too, though it changes once per group: decoding it there
@@ -106,51 +99,34 @@ static inline MM_ALWAYS_INLINE void gemm_rows_body(void *ctx, size_t begin, size
         dots4(xi, (size_t)K, wrow, K, acc);
       else
         for (int t = 0; t < j->m - i; t++) dots1(xi + (size_t)t * (size_t)K, (size_t)K, wrow, K, &acc[t]);
-      for (int t = 0; t < 4 && i + t < j->m; t++)
-        j->y[(size_t)(i + t) * (size_t)j->w->rows + n] = (float)(acc[t] * (double)j->w->row_scale[n]);
+      /* A NaN sum leaves as the one quiet NaN: which NaN's payload an add
+       * keeps depends on its operand order, which the two builds and the
+       * 1- and 4-token loops do not share. */
+      for (int t = 0; t < 4 && i + t < j->m; t++) {
+        const double v = acc[t] * (double)j->w->row_scale[n];
+        j->y[(size_t)(i + t) * (size_t)j->w->rows + n] = v != v ? NAN : (float)v;
+      }
     }
   }
   free(wrow);
   free(tabs);
 }
 
-/* The row loop compiled twice: for AVX2 (a token's four partial sums in one
- * register) and for the baseline ISA. Both add the same products in the same
- * order, and each product is exact in FP64 (an E4M3 x FP32 activation times
- * an e2m1 x scale weight: at most 34 significant bits), so their results are
- * bit-identical, FMA or not (test_ref_moe's test_simd_identical). */
+/* The row loop for AVX2 (a token's four partial sums in one register) and
+ * for the baseline ISA (cpu_simd.h). Each product is exact in FP64 (an
+ * E4M3 x FP32 activation times an e2m1 x scale weight: at most 34
+ * significant bits), so FMA or not, both give the same bits
+ * (test_ref_moe's test_simd_identical). */
 static void gemm_rows_base(void *ctx, size_t begin, size_t end) { gemm_rows_body(ctx, begin, end); }
-#if MM_REF_HAVE_AVX2
-__attribute__((target("avx2"))) static void gemm_rows_avx2(void *ctx, size_t begin, size_t end) {
+#if MM_HAVE_AVX2_CLONES
+MM_TARGET_AVX2 static void gemm_rows_avx2(void *ctx, size_t begin, size_t end) {
   gemm_rows_body(ctx, begin, end);
 }
 #endif
 
-/* -1: by the CPU; 0: baseline; 1: AVX2 where the CPU has it. Set by tests,
- * else from MEGAMOE_REF_SIMD (0 or 1; docs/CONFIG.md) at first use (ops on
- * several threads may get there at once: each stores the same value). */
-static _Atomic int g_simd = -2; /* -2: not read yet */
-
-int mm_ref_set_simd(int mode) {
-  g_simd = mode < 0 ? -1 : mode > 0;
-  return mm_ref_simd_active();
-}
-
-int mm_ref_simd_active(void) {
-#if MM_REF_HAVE_AVX2
-  if (g_simd == -2) {
-    const char *v = getenv("MEGAMOE_REF_SIMD");
-    g_simd = v && v[0] == '0' && !v[1] ? 0 : -1;
-  }
-  return g_simd != 0 && __builtin_cpu_supports("avx2");
-#else
-  return 0;
-#endif
-}
-
 static mm_range_fn gemm_rows_fn(void) {
-#if MM_REF_HAVE_AVX2
-  if (mm_ref_simd_active()) return gemm_rows_avx2;
+#if MM_HAVE_AVX2_CLONES
+  if (mm_cpu_avx2()) return gemm_rows_avx2;
 #endif
   return gemm_rows_base;
 }

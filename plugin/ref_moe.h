@@ -29,13 +29,6 @@ void mm_ref_expert_rows_mt(const mm_expert_q *e, int m, const uint8_t *xq,
                            const float *xs, const float *row_weight, float clamp,
                            int threads, uint16_t *out);
 
-/* Which build of the reference's dot products runs: -1 (the default) AVX2
- * where the CPU has it, 0 the baseline ISA, 1 AVX2 if the CPU has it. Both
- * give the same bits (tests compare them). Returns mm_ref_simd_active(). */
-int mm_ref_set_simd(int mode);
-/* 1 when the AVX2 build runs. */
-int mm_ref_simd_active(void);
-
 /* silu(g) * u * w in FP32, the exact expression every backend uses. */
 static inline float mm_swiglu_weighted(float g, float u, float w) {
   float s = g / (1.0f + expf(-g));

@@ -92,7 +92,7 @@ cflags=(-std=c11 -g -O1 -D_GNU_SOURCE -include "$cfg_h" -I"$src/abi" -I"$src/plu
         -fno-omit-frame-pointer -pthread -Wall -Wno-unused-parameter
         $(pkg-config --cflags yaml-0.1 libuv 2>/dev/null))
 libs=($(pkg-config --libs yaml-0.1 libuv 2>/dev/null || echo -lyaml -luv) -lm)
-common=(status.c formats.c parallel.c json.c spelling.c config.c env_knobs.c)
+common=(status.c formats.c parallel.c cpu_simd.c json.c spelling.c config.c env_knobs.c)
 declare -A sources=(
   [config]="${common[*]}"
   [safetensors]="${common[*]} safetensors.c safetensors_ckpt.c requant.c weights_load.c layout_sm100.c"

@@ -3,6 +3,7 @@
  * random inputs of several shapes, plus edge cases. */
 #include <math.h>
 
+#include "cpu_simd.h"
 #include "formats.h"
 #include "harness.h"
 #include "ref_moe.h"
@@ -223,13 +224,54 @@ static void test_batch_invariance(void) {
   free_expert_case(&c);
 }
 
+/* NaN and Inf inputs: a token's row is the same alone as in a batch, bit
+ * for bit, NaN payloads included, in both builds of the dot products. The
+ * sums meet NaNs of both signs, and which payload an add keeps depends on its
+ * operand order, which the 4-token and the 1-token loops need not share, so
+ * the reference's sums give the one quiet NaN (0x7FC0 in BF16).
+ * fuzz_abi_tensors found a case where they did not, built with clang; its
+ * input is in tests/fuzz/corpus/abi_tensors/. With gcc 12 and clang 14 these
+ * shapes happened to pass before the fix too. */
+static void test_nan_batch_invariance(void) {
+  const int H = 512, I = 128, m = 6;
+  expert_case c;
+  make_expert_case(&c, H, I, m);
+  for (int t = 0; t < m; t += 2) /* E4M3 NaN of both signs in tokens 0, 2, 4 */
+    for (int k = t; k < H; k += 37) c.xq[(size_t)t * H + k] = (uint8_t)(k & 64 ? 0xFF : 0x7F);
+  c.xs[3 * (H / 128) + 1] = INFINITY; /* token 3: 0 x Inf and +-Inf */
+  for (int b = 0; b < H / 128; b++) c.xs[5 * (H / 128) + b] = 1e30f; /* token 5: L1 overflows */
+  uint16_t *all = malloc(sizeof(uint16_t) * (size_t)m * H), *one = malloc(sizeof(uint16_t) * (size_t)H);
+  for (int mode = 0; mode < 2; mode++) {
+    if (mm_cpu_simd_set(mode) != mode) continue; /* no AVX2 here */
+    mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, 0.0f, 1, all);
+    int diff = 0, nan_rows = 0, other_nans = 0;
+    for (int t = 0; t < m; t++) {
+      mm_ref_expert_rows_mt(&c.ex, 1, c.xq + (size_t)t * H, c.xs + (size_t)t * (H / 128), &c.rw[t],
+                            0.0f, 1, one);
+      for (int k = 0; k < H; k++) {
+        const uint16_t v = all[(size_t)t * H + k];
+        diff += one[k] != v;
+        other_nans += (v & 0x7FFF) > 0x7F80 && v != 0x7FC0;
+      }
+      nan_rows += (all[(size_t)t * H] & 0x7FFF) > 0x7F80;
+    }
+    CHECK_EQ_INT(diff, 0);
+    CHECK_EQ_INT(other_nans, 0); /* every NaN is the one quiet NaN */
+    CHECK_EQ_INT(nan_rows, 5); /* tokens 0, 2, 3, 4 and 5 */
+  }
+  mm_cpu_simd_set(-1);
+  free(all);
+  free(one);
+  free_expert_case(&c);
+}
+
 /* The AVX2 build of the dot products gives the baseline build's bits: 9 rows
  * (two blocks of 4 tokens and one alone), with and without a clamp. */
 static void test_simd_identical(void) {
   const int H = 768, I = 384, m = 9;
-  if (!mm_ref_set_simd(1)) {
+  if (!mm_cpu_simd_set(1)) {
     printf("# this CPU has no AVX2 (or the build no x86-64 path): baseline only\n");
-    mm_ref_set_simd(-1);
+    mm_cpu_simd_set(-1);
     return;
   }
   expert_case c;
@@ -238,9 +280,9 @@ static void test_simd_identical(void) {
   for (int clamped = 0; clamped < 2; clamped++) {
     const float clamp = clamped ? 3.0f : 0.0f;
     for (size_t i = 0; i < (size_t)m * H; i++) v[i] = base[i] = 0x7FC1; /* poison */
-    CHECK_EQ_INT(mm_ref_set_simd(1), 1);
+    CHECK_EQ_INT(mm_cpu_simd_set(1), 1);
     mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, clamp, 2, v);
-    CHECK_EQ_INT(mm_ref_set_simd(0), 0);
+    CHECK_EQ_INT(mm_cpu_simd_set(0), 0);
     mm_ref_expert_rows_mt(&c.ex, m, c.xq, c.xs, c.rw, clamp, 2, base);
     int diff = 0, nan = 0;
     for (size_t i = 0; i < (size_t)m * H; i++) {
@@ -250,7 +292,7 @@ static void test_simd_identical(void) {
     CHECK_EQ_INT(nan, 0);
     CHECK_EQ_INT(diff, 0);
   }
-  mm_ref_set_simd(-1);
+  mm_cpu_simd_set(-1);
   free(v);
   free(base);
   free_expert_case(&c);
@@ -264,6 +306,7 @@ int main(void) {
   RUN(test_masked_and_empty_experts);
   RUN(test_bad_ids);
   RUN(test_batch_invariance);
+  RUN(test_nan_batch_invariance);
   RUN(test_simd_identical);
   return mm_test_done();
 }
