@@ -101,7 +101,7 @@ static inline MM_ALWAYS_INLINE void gemm_rows_body(void *ctx, size_t begin, size
         for (int t = 0; t < j->m - i; t++) dots1(xi + (size_t)t * (size_t)K, (size_t)K, wrow, K, &acc[t]);
       /* A NaN sum leaves as the one quiet NaN: which NaN's payload an add
        * keeps depends on its operand order, which the two builds and the
-       * 1- and 4-token loops do not share. */
+       * 1- and 4-token loops need not share (docs/RELIABILITY.md). */
       for (int t = 0; t < 4 && i + t < j->m; t++) {
         const double v = acc[t] * (double)j->w->row_scale[n];
         j->y[(size_t)(i + t) * (size_t)j->w->rows + n] = v != v ? NAN : (float)v;
