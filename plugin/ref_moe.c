@@ -50,25 +50,20 @@ static inline MM_ALWAYS_INLINE void decode_row(const mm_qmat *m, const decode_ta
  * result is the same whichever tokens share the call, and the same for any
  * thread count. Several tokens per pass read each weight once from the
  * cache for all of them; the partial sums are independent chains (one chain
- * would wait on the adder's latency at every element). NT is a constant at
- * each call, so the sums stay in registers (a token's four in one AVX2
- * register). */
-#define DEFINE_DOTS(NT)                                                                 \
-  static inline void dots##NT(const double *x, size_t ldx, const double *w, int K,     \
-                              double *out) {                                            \
-    double acc[NT][4];                                                                  \
-    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0;   \
-    int k = 0;                                                                          \
-    for (; k + 4 <= K; k += 4)                                                          \
-      _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                              \
-        for (int l = 0; l < 4; l++) acc[t][l] += x[(size_t)t * ldx + (size_t)(k + l)] * w[k + l]; \
-    for (; k < K; k++)                                                                  \
-      for (int t = 0; t < NT; t++) acc[t][0] += x[(size_t)t * ldx + (size_t)k] * w[k];   \
-    for (int t = 0; t < NT; t++) out[t] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]); \
-  }
-DEFINE_DOTS(1)
-DEFINE_DOTS(4)
-#undef DEFINE_DOTS
+ * would wait on the adder's latency at every element). nt is a constant at
+ * each call (4, or 1 for the tail), so once inlined the token loop unrolls
+ * and the sums stay in registers (a token's four in one AVX2 register). */
+static inline MM_ALWAYS_INLINE void dots(const double *x, size_t ldx, int nt, const double *w,
+                                         int K, double *out) {
+  double acc[4][4] = {{0}};
+  int k = 0;
+  for (; k + 4 <= K; k += 4)
+    _Pragma("GCC unroll 4") for (int t = 0; t < nt; t++)
+      for (int l = 0; l < 4; l++) acc[t][l] += x[(size_t)t * ldx + (size_t)(k + l)] * w[k + l];
+  for (; k < K; k++)
+    for (int t = 0; t < nt; t++) acc[t][0] += x[(size_t)t * ldx + (size_t)k] * w[k];
+  for (int t = 0; t < nt; t++) out[t] = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]);
+}
 
 /* y[i][n] = (float)(row_scale[n] * sum_k x[i][k] * W[n][k]) for rows n in
  * [begin, end); x is dequantized activations in double [m, K]. */
@@ -96,9 +91,9 @@ static inline MM_ALWAYS_INLINE void gemm_rows_body(void *ctx, size_t begin, size
       double acc[4];
       const double *xi = j->x + (size_t)i * (size_t)K;
       if (j->m - i >= 4)
-        dots4(xi, (size_t)K, wrow, K, acc);
+        dots(xi, (size_t)K, 4, wrow, K, acc);
       else
-        for (int t = 0; t < j->m - i; t++) dots1(xi + (size_t)t * (size_t)K, (size_t)K, wrow, K, &acc[t]);
+        for (int t = 0; t < j->m - i; t++) dots(xi + (size_t)t * (size_t)K, (size_t)K, 1, wrow, K, &acc[t]);
       /* A NaN sum leaves as the one quiet NaN: which NaN's payload an add
        * keeps depends on its operand order, which the two builds and the
        * 1- and 4-token loops need not share (docs/RELIABILITY.md). */

@@ -14,7 +14,7 @@
 # dispatch) in each run.
 # Without a GPU: the cpu-reference backend on one EP8 rank's share of a GLM-5
 # layer (hidden 6144, expert size 2048, 32 experts, top-8), 32 tokens, both
-# requant policies (about a minute and a half on 2 cores, 2 GB of memory);
+# requant policies (about 75 s on 2 cores after the build, 2 GB of memory);
 # E2E_CPU_SMALL=1 takes a small shape instead (seconds).
 #
 # Environment:
