@@ -34,6 +34,7 @@ row() { rows+=("$(printf '%-40s %s' "$1" "$2")"); }
 # e2e step's, else synthesized here once.
 ck=/tmp/e2e/ckpt
 glm_ckpt() {
+  mkdir -p "$(dirname "$ck")" # the e2e step makes it, when it runs first
   [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
     --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/synth.log" 2>&1
 }

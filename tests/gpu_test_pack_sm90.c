@@ -264,11 +264,15 @@ static void host_requant(const mm_expert_q *src, mm_expert_q *dst, mm_requant_st
 
 /* The GPU's requant and packing of experts[0 .. E) (group 16) against the
  * host's requant and the host packer: the same records and row factors,
- * statistics equal up to the order of additions within a row (stats_tol:
- * relative; 0 skips max_abs, which may differ where values underflow).
+ * statistics equal up to the order of additions within a row (relative
+ * kStatsTol; the GPU adds a row's groups in another order, and the sums
+ * differ in their last digits). max_abs is compared where with_max_abs (it
+ * may differ where values underflow FP32 on the GPU: gpu_test_prep).
  * limit: requant.max-rel-error; returns the GPU's error (NULL: none). */
+static const double kStatsTol = 1e-5;
+static int g_requant_packed; /* compare_requant's calls that compared records */
 static mm_err *compare_requant(mm_expert_q *x, int E, mm_weight_mode mode, double limit,
-                               double stats_tol, const char *what) {
+                               int with_max_abs, const char *what) {
   const int H = x[0].w13.cols, I = x[0].w2.cols;
   const size_t b13 = mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, 2 * I, H),
                bytes = (size_t)E * (b13 + mm_sm90_matrix_bytes(MM_WMODE_G32_FP8, H, I));
@@ -313,11 +317,12 @@ static mm_err *compare_requant(mm_expert_q *x, int E, mm_weight_mode mode, doubl
   CHECK_MSG(memcmp(rs, h.rs, sizeof(float) * nrs) == 0, "%s: row factors differ", what);
   for (int t = 0; t < 3 * E; t++) {
     CHECK_EQ_INT((int)gst[t].count, (int)hst[t].count);
-    CHECK_NEAR(gst[t].src_sq, hst[t].src_sq, stats_tol * hst[t].src_sq + 1e-300);
-    CHECK_NEAR(gst[t].rel_rms, hst[t].rel_rms, stats_tol * hst[t].rel_rms + 1e-12);
-    if (stats_tol > 0 && hst[t].max_abs > 1e-30)
-      CHECK_NEAR(gst[t].max_abs, hst[t].max_abs, stats_tol * hst[t].max_abs);
+    CHECK_NEAR(gst[t].src_sq, hst[t].src_sq, kStatsTol * hst[t].src_sq + 1e-300);
+    CHECK_NEAR(gst[t].rel_rms, hst[t].rel_rms, kStatsTol * hst[t].rel_rms + 1e-12);
+    if (with_max_abs && hst[t].max_abs > 1e-30)
+      CHECK_NEAR(gst[t].max_abs, hst[t].max_abs, kStatsTol * hst[t].max_abs);
   }
+  g_requant_packed++;
   printf("# %s mode %d: %d experts identical; rel RMS of expert 0 gate %.6g (host %.6g)\n", what,
          (int)mode, E, gst[0].rel_rms, hst[0].rel_rms);
 out:
@@ -347,24 +352,31 @@ static void test_requant(void) {
       for (int r = 0; r < 2 * I; r++) x[e].w13.row_scale[r] = r < I ? gate : up;
       for (int r = 0; r < H; r++) x[e].w2.row_scale[r] = 7e-3f;
     }
-    mm_err *err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1e-5, "nvfp4");
+    mm_err *err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1, "nvfp4");
     CHECK_MSG(!err, "%s", err ? err->message : "");
     mm_error_free(err);
-    err = compare_requant(x, E, MM_WMODE_G32_F16_EXACT, INFINITY, 1e-5, "nvfp4");
+    err = compare_requant(x, E, MM_WMODE_G32_F16_EXACT, INFINITY, 1, "nvfp4");
     CHECK_MSG(!err, "%s", err ? err->message : "");
     mm_error_free(err);
-    for (int e = 0; e < E; e++) { /* UE8M0 group 16, no globals */
-      x[e].w13.sf = x[e].w2.sf = MM_SF_UE8M0;
-      for (size_t i = 0; i < (size_t)(2 * I) * (size_t)(H / 16); i++)
-        x[e].w13.scales[i] = (uint8_t)(100 + mm_test_rand_u64() % 40);
-      for (size_t i = 0; i < (size_t)H * (size_t)(I / 16); i++)
-        x[e].w2.scales[i] = (uint8_t)(110 + mm_test_rand_u64() % 30);
-      for (int r = 0; r < 2 * I; r++) x[e].w13.row_scale[r] = 1.0f;
-      for (int r = 0; r < H; r++) x[e].w2.row_scale[r] = 1.0f;
+    /* UE8M0 group 16, no globals: scale bytes over 2^40 (mode 1 cannot fold
+     * such rows: both packers refuse, in the same words) and over 2^8 (both
+     * pack) */
+    for (int spread = 40; spread >= 8; spread -= 32) {
+      for (int e = 0; e < E; e++) {
+        x[e].w13.sf = x[e].w2.sf = MM_SF_UE8M0;
+        for (size_t i = 0; i < (size_t)(2 * I) * (size_t)(H / 16); i++)
+          x[e].w13.scales[i] = (uint8_t)(100 + mm_test_rand_u64() % (uint64_t)spread);
+        for (size_t i = 0; i < (size_t)H * (size_t)(I / 16); i++)
+          x[e].w2.scales[i] = (uint8_t)(110 + mm_test_rand_u64() % (uint64_t)spread);
+        for (int r = 0; r < 2 * I; r++) x[e].w13.row_scale[r] = 1.0f;
+        for (int r = 0; r < H; r++) x[e].w2.row_scale[r] = 1.0f;
+      }
+      const int packed = g_requant_packed;
+      err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1, "ue8m0-g16");
+      CHECK_MSG(!err, "%s", err ? err->message : "");
+      mm_error_free(err);
+      if (spread == 8) CHECK_MSG(g_requant_packed == packed + 1, "ue8m0-g16 over 2^8 refused");
     }
-    err = compare_requant(x, E, MM_WMODE_G32_FP8, INFINITY, 1e-5, "ue8m0-g16");
-    CHECK_MSG(!err, "%s", err ? err->message : "");
-    mm_error_free(err);
     free_layer(x, E);
     free(x);
   }
@@ -401,7 +413,7 @@ static void test_requant(void) {
   CHECK(st[0][0].rel_rms == 0.0 && st[0][1].rel_rms == 0.0 && st[0][2].rel_rms == 0.0);
   CHECK(st[1][0].rel_rms > 0.0);
   const double limit = 0.5 * st[1][0].rel_rms;
-  err = compare_requant(x, E, MM_WMODE_G32_FP8, limit, 1e-5, "limit");
+  err = compare_requant(x, E, MM_WMODE_G32_FP8, limit, 1, "limit");
   char want[512];
   mm_err *host_err = mm_requant_limit_error("experts.41.gate_proj", &st[1][0], limit);
   CHECK(err && host_err);
