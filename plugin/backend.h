@@ -62,7 +62,9 @@ typedef struct mm_backend_ops {
    * with peers the backend takes the op out of the group (fatal). */
   void (*refuse_step)(mm_op *op, mm_err *why);
   /* Optional, both or neither: the backend runs requant.policy's group16 ->
-   * group32 requant itself (on the GPU, while it packs the layer).
+   * group32 requant itself (cuda: on the GPU, while it packs the layer;
+   * cpu-reference: after the load, with MEGAMOE_CPU_REQUANT=backend, so
+   * that tests run this path without a GPU).
    * requants_itself says whether it will for this op's next layer; if so
    * the op loads the layer unrequantized (MM_LOAD_DEFER_REQUANT) and calls
    * prepare_layer_requant instead of prepare_layer: the same contract, for

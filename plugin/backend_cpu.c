@@ -2,8 +2,12 @@
  * runs the reference layer (ref_moe.c). One rank that owns every expert. It
  * allocates its scratch per call: "nothing allocates after plan" is a promise
  * of the cuda backend, not of this oracle. */
+#include <stdlib.h>
+#include <strings.h>
+
 #include "backend.h"
 #include "ref_moe.h"
+#include "weights_load.h"
 
 static mm_err *cpu_init(mm_op *op) { return NULL; }
 
@@ -11,6 +15,33 @@ static mm_err *cpu_prepare_layer(mm_op *op, int layer, mm_expert_q *experts, int
                                  void *stream) {
   op->layers[layer].experts = experts;
   return NULL;
+}
+
+/* MEGAMOE_CPU_REQUANT=backend (for tests): this backend runs requant.policy's
+ * group16 -> group32 requant itself, after the load, as the cuda backend's
+ * GPU requant does. So the op's deferred-requant path (op.c,
+ * MM_LOAD_DEFER_REQUANT, mm_requant_report_finish) runs on machines without
+ * a GPU; it must give what the loader's requant (the default) gives. */
+static int cpu_requants_itself(mm_op *op) {
+  const char *v = getenv("MEGAMOE_CPU_REQUANT");
+  return v && strcasecmp(v, "backend") == 0;
+}
+
+static mm_err *cpu_prepare_layer_requant(mm_op *op, int layer, mm_expert_q *experts,
+                                         int num_local, mm_requant_stats *stats, void *stream) {
+  for (int e = 0; e < num_local; e++) {
+    mm_expert_q g32;
+    mm_err *err = mm_requant_expert(&op->cfg, op->first_local_expert + e, &experts[e], &g32,
+                                    stats + 3 * (size_t)e);
+    if (err) {
+      mm_experts_free(experts, num_local); /* the contract: freed on error */
+      return err;
+    }
+    mm_qmat_free(&experts[e].w13);
+    mm_qmat_free(&experts[e].w2);
+    experts[e] = g32;
+  }
+  return cpu_prepare_layer(op, layer, experts, num_local, stream);
 }
 
 static mm_err *cpu_plan(mm_op *op, int max_tokens, void *stream, uint64_t *device_bytes,
@@ -54,4 +85,6 @@ const mm_backend_ops mm_backend_cpu = {
     .destroy = cpu_destroy,
     .release_layer = NULL,
     .check = NULL, /* synchronous: errors are returned by execute itself */
+    .requants_itself = cpu_requants_itself,
+    .prepare_layer_requant = cpu_prepare_layer_requant,
 };

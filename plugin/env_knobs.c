@@ -33,6 +33,7 @@ static const env_knob g_knobs[] = {
     {"MEGAMOE_SM90_PACK", "auto gpu host"},
     {"MEGAMOE_SM90_REQUANT", "host gpu"},
     {"MEGAMOE_CPU_SIMD", "0 1"},
+    {"MEGAMOE_CPU_REQUANT", "loader backend"},
 };
 #define NUM_KNOBS (sizeof g_knobs / sizeof g_knobs[0])
 

@@ -333,7 +333,8 @@ static megamoe_error *op_prepare_weights_body(megamoe_op_prepare_args *args) {
     goto done;
   }
   op->layers[args->layer].ready = 1;
-  if (requant_stats && (err = mm_requant_report_finish(&report, &op->cfg, requant_stats, 1))) {
+  if (requant_stats && (err = mm_requant_report_finish(&report, &op->cfg, requant_stats,
+                                                       op->backend != &mm_backend_cpu))) {
     release_layer(op, args->layer); /* the backend's layer too: it is ready */
     experts = NULL;
     goto done;

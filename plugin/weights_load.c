@@ -560,31 +560,51 @@ static mm_err *layer_policy(const mm_config *cfg, unsigned flags, const char *pn
   return NULL;
 }
 
+mm_err *mm_requant_expert(const mm_config *cfg, int eid, const mm_expert_q *src,
+                          mm_expert_q *dst, mm_requant_stats st[3]) {
+  MM_ARG_CHECK(cfg && src && st && src->w13.gran == 16 && src->w2.gran == 16 &&
+                   src->w13.rows % 2 == 0 && src->w13.cols % 32 == 0 && src->w2.cols % 32 == 0,
+               "requant of expert %d: needs a canonical group-16 expert", eid);
+  const int H = src->w2.rows, I = src->w2.cols;
+  mm_expert_q out = {0};
+  mm_err *err = NULL;
+  if (dst ? mm_qmat_alloc(&out.w13, 2 * I, H, 32, MM_SF_UE8M0) ||
+                mm_qmat_alloc(&out.w2, H, I, 32, MM_SF_UE8M0)
+          : mm_qmat_alloc(&out.w13, H > I ? H : I, H > I ? H : I, 32, MM_SF_UE8M0))
+    err = mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "weights load: out of memory");
+  char ename[48], pname[3][96];
+  proj_names(eid, ename, pname);
+  for (int p = 0; p < 3 && !err; p++) {
+    const mm_qmat *m = p == 2 ? &src->w2 : &src->w13;
+    /* without dst every projection goes to the front of one scratch matrix */
+    mm_qmat *o = dst && p == 2 ? &out.w2 : &out.w13;
+    const size_t row0 = dst && p == 1 ? (size_t)I : 0;
+    const mm_g16_source g = mm_g16_rows(m, p == 1 ? I : 0, p == 2 ? H : I);
+    err = mm_requant_g16_to_g32(&g, o->codes + row0 * (size_t)(m->cols / 2),
+                                o->scales + row0 * (size_t)(m->cols / 32), 0, &st[p]);
+    err = err ? mm_error_wrap(err, "%s", pname[p])
+              : mm_requant_limit_error(pname[p], &st[p], cfg->requant_max_rel_error);
+  }
+  if (err || !dst) {
+    mm_qmat_free(&out.w13);
+    mm_qmat_free(&out.w2);
+    return err;
+  }
+  *dst = out; /* row_scale 1 from mm_qmat_alloc */
+  return NULL;
+}
+
 /* In a deferred load, the error a sequential load would have met before
  * local expert le_err's: the requant of an earlier expert over the limit.
  * Their canonical group-16 matrices hold the source values (codes, scale
  * bytes, row_scale = the global), so the requant from them is the one the
  * load would have run. Runs only on the way to an error. */
 static mm_err *earlier_requant_error(const layer_job *j, int le_err) {
-  const int H = j->H, I = j->I, n = H > I ? H : I;
-  uint8_t *codes = malloc((size_t)n * (size_t)(n / 2) + 1);
-  uint8_t *scales = malloc((size_t)n * (size_t)(n / 32) + 1);
-  mm_err *err = codes && scales ? NULL
-                                : mm_error(MEGAMOE_CODE_RESOURCE_EXHAUSTED, "weights load: out of memory");
+  mm_err *err = NULL;
   for (int le = 0; le < le_err && !err; le++) {
-    char ename[48], pname[3][96];
-    proj_names(j->first_expert + le, ename, pname);
-    for (int p = 0; p < 3 && !err; p++) {
-      const mm_qmat *m = p == 2 ? &j->out[le].w2 : &j->out[le].w13;
-      const mm_g16_source src = mm_g16_rows(m, p == 1 ? I : 0, p == 2 ? H : I);
-      mm_requant_stats st;
-      err = mm_requant_g16_to_g32(&src, codes, scales, 0, &st);
-      err = err ? mm_error_wrap(err, "%s", pname[p])
-                : mm_requant_limit_error(pname[p], &st, j->cfg->requant_max_rel_error);
-    }
+    mm_requant_stats st[3];
+    err = mm_requant_expert(j->cfg, j->first_expert + le, &j->out[le], NULL, st);
   }
-  free(codes);
-  free(scales);
   return err;
 }
 

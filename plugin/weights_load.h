@@ -111,6 +111,16 @@ mm_err *mm_weights_load_layer_ex(const mm_config *cfg, const mm_tensor_view *ten
 mm_err *mm_requant_report_finish(mm_requant_report *r, const mm_config *cfg,
                                  const mm_requant_stats *stats, int on_device);
 
+/* The group16 -> group32 requant of one canonical group-16 expert (as a
+ * deferred load leaves it: row_scale = each row's projection's global),
+ * projection by projection as the loader runs it: the same bytes,
+ * statistics (st[3]: gate, up, down) and errors (a non-finite value, a
+ * tensor above cfg->requant_max_rel_error), named experts.<eid>.<proj>.
+ * dst (may be NULL: errors and statistics only) gets a new group-32
+ * expert, row_scale 1, only on success; src stays the caller's. */
+mm_err *mm_requant_expert(const mm_config *cfg, int eid, const mm_expert_q *src,
+                          mm_expert_q *dst, mm_requant_stats st[3]);
+
 /* Splits "...experts.{E}.{proj}.{field}" ("experts." at the start or after
  * a '.'): *prefix_len (may be NULL) gets the bytes before "experts.", field
  * 0 weight, 1 weight_scale, 2 weight_scale_2, 3 input_scale. Returns 0, or

@@ -222,6 +222,99 @@ static void test_bad_weights(void) {
   destroy(op, 1);
 }
 
+/* One op on `config` with MEGAMOE_CPU_REQUANT=where (NULL: unset): prepare
+ * layer 0 (its requant statistics to rel/abs), then T tokens into out.
+ * Returns prepare's error (the op is gone either way). */
+static megamoe_error *load_and_run(const char *config, const char *where, int T,
+                                   const mmfx_io *io, double *rel, double *abs_err, int *gran) {
+  *rel = *abs_err = -1.0;
+  *gran = 0;
+  if (where) setenv("MEGAMOE_CPU_REQUANT", where, 1);
+  else unsetenv("MEGAMOE_CPU_REQUANT");
+  megamoe_error *err;
+  megamoe_op *op = create_op(config, &err);
+  CHECK_OK(err);
+  if (!op) return NULL;
+  megamoe_op_prepare_args p;
+  memset(&p, 0, sizeof p);
+  p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
+  p.op = op;
+  p.tensors = mmfx_nt;
+  p.num_tensors = MMFX_NT;
+  p.requant_rel_rms_max = p.requant_abs_max = -1.0;
+  err = mmfx_api->prepare_weights(&p);
+  *rel = p.requant_rel_rms_max;
+  *abs_err = p.requant_abs_max;
+  if (!err) {
+    megamoe_op_info_args info;
+    CHECK_OK(mmfx_info(op, &info));
+    *gran = info.gran_k;
+    CHECK_OK(mmfx_plan(op, T));
+    memset(io->out.data, 0xFF, sizeof(uint16_t) * (size_t)T * H); /* poisoned */
+    CHECK_OK(mmfx_execute_io(op, 0, io));
+  }
+  destroy(op, 1);
+  unsetenv("MEGAMOE_CPU_REQUANT");
+  return err;
+}
+
+/* requant.policy group16-to-group32 with the requant in the loader (the
+ * default) and in the backend (MEGAMOE_CPU_REQUANT=backend: the op's
+ * deferred path, which the cuda backend's GPU requant takes): the same
+ * output bits, statistics and errors, word for word. */
+static void test_backend_requant(void) {
+  enum { T = 29 };
+  static uint16_t hid[T * H], out[3][T * H];
+  static int32_t ids[T * K];
+  static float w[T * K];
+  for (int i = 0; i < T * H; i++) hid[i] = mm_float_to_bf16(mm_test_normal());
+  for (int i = 0; i < T * K; i++) {
+    ids[i] = (int)(mm_test_rand_u64() % E);
+    w[i] = mm_test_uniform(0, 1);
+  }
+  char config[512], strict[512];
+  snprintf(config, sizeof config, "%srequant:\n  policy: group16-to-group32\n", kConfig);
+  const char *where[3] = {NULL, "loader", "backend"};
+  double rel[3], abs_err[3];
+  int gran[3] = {0, 0, 0};
+  for (int k = 0; k < 3; k++) {
+    mmfx_io io;
+    mmfx_io_init(&io, T, hid, ids, w, out[k]);
+    CHECK_OK(load_and_run(config, where[k], T, &io, &rel[k], &abs_err[k], &gran[k]));
+    CHECK_EQ_INT(gran[k], 32);
+  }
+  CHECK(rel[0] > 0.0 && abs_err[0] > 0.0); /* the fixture's scales do not requantize exactly */
+  for (int k = 1; k < 3; k++) {
+    CHECK_MSG(memcmp(out[k], out[0], sizeof out[0]) == 0, "%s: outputs differ", where[k]);
+    CHECK_MSG(rel[k] == rel[0] && abs_err[k] == abs_err[0], "%s: rel %.17g / %.17g, abs %.17g / %.17g",
+              where[k], rel[k], rel[0], abs_err[k], abs_err[0]);
+  }
+  /* Over requant.max-rel-error: the first tensor a sequential load meets,
+   * both ways; with a later expert's load check failing too (a NaN scale
+   * byte), still the requant error before it. */
+  snprintf(strict, sizeof strict, "%s  max-rel-error: %.6f\n", config, 0.5 * rel[0]);
+  for (int nan = 0; nan < 2; nan++) {
+    uint8_t saved = mmfx_raw[3].scales[1][5];
+    if (nan) mmfx_raw[3].scales[1][5] = 0x7F;
+    megamoe_error *e[2];
+    for (int k = 0; k < 2; k++) {
+      mmfx_io io;
+      mmfx_io_init(&io, T, hid, ids, w, out[k]);
+      e[k] = load_and_run(strict, where[2 * k], T, &io, &rel[k], &abs_err[k], &gran[k]);
+    }
+    CHECK(e[0] && e[1]);
+    if (e[0] && e[1]) {
+      CHECK_EQ_INT(e[1]->code, e[0]->code);
+      CHECK_MSG(strcmp(e[1]->message, e[0]->message) == 0, "loader: %s\n#  backend: %s",
+                e[0]->message, e[1]->message);
+      CHECK_MSG(strstr(e[0]->message, "exceeds requant.max-rel-error"), "%s", e[0]->message);
+    }
+    megamoe_error_destroy(e[0]);
+    megamoe_error_destroy(e[1]);
+    mmfx_raw[3].scales[1][5] = saved;
+  }
+}
+
 static void test_create_errors(void) {
   megamoe_error *err;
   CHECK(create_op("model: {top-k: [1, 2]}\n", &err) == NULL);
@@ -290,6 +383,7 @@ int main(void) {
   RUN(test_create_errors);
   RUN(test_lifecycle_matches_reference);
   RUN(test_bad_weights);
+  RUN(test_backend_requant);
   RUN(test_finalize);
   return mm_test_done();
 }
