@@ -161,8 +161,11 @@ static inline megamoe_error *mmfx_create(const char *text, const char *name, meg
   return e;
 }
 
-static inline megamoe_error *mmfx_prepare(megamoe_op *op, int layer, const megamoe_named_tensor *nt,
-                                          size_t n) {
+/* prepare_weights; the worst requant errors it reports go to rel / abs_err
+ * (either may be NULL; -1 where the call does not set them). */
+static inline megamoe_error *mmfx_prepare_report(megamoe_op *op, int layer,
+                                                 const megamoe_named_tensor *nt, size_t n,
+                                                 double *rel, double *abs_err) {
   megamoe_op_prepare_args p;
   memset(&p, 0, sizeof p);
   p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
@@ -170,7 +173,16 @@ static inline megamoe_error *mmfx_prepare(megamoe_op *op, int layer, const megam
   p.layer = layer;
   p.tensors = nt;
   p.num_tensors = n;
-  return mmfx_api->prepare_weights(&p);
+  p.requant_rel_rms_max = p.requant_abs_max = -1.0;
+  megamoe_error *e = mmfx_api->prepare_weights(&p);
+  if (rel) *rel = p.requant_rel_rms_max;
+  if (abs_err) *abs_err = p.requant_abs_max;
+  return e;
+}
+
+static inline megamoe_error *mmfx_prepare(megamoe_op *op, int layer, const megamoe_named_tensor *nt,
+                                          size_t n) {
+  return mmfx_prepare_report(op, layer, nt, n, NULL, NULL);
 }
 
 static inline megamoe_error *mmfx_plan(megamoe_op *op, int tokens) {

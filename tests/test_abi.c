@@ -103,16 +103,21 @@ static void destroy(megamoe_op *op, int want_ok) {
   else CHECK_ERR(mmfx_destroy(op), MEGAMOE_CODE_INVALID_ARGUMENT);
 }
 
-static void test_lifecycle_matches_reference(void) {
-  enum { T = 37 };
-  static uint16_t hid[T * H], out[T * H], ref_out[T * H];
-  static int32_t ids[T * K];
-  static float w[T * K];
+/* T tokens: normal BF16 hidden states, experts drawn uniformly, weights in [0, 1). */
+static void random_inputs(int T, uint16_t *hid, int32_t *ids, float *w) {
   for (int i = 0; i < T * H; i++) hid[i] = mm_float_to_bf16(mm_test_normal());
   for (int i = 0; i < T * K; i++) {
     ids[i] = (int)(mm_test_rand_u64() % E);
     w[i] = mm_test_uniform(0, 1);
   }
+}
+
+static void test_lifecycle_matches_reference(void) {
+  enum { T = 37 };
+  static uint16_t hid[T * H], out[T * H], ref_out[T * H];
+  static int32_t ids[T * K];
+  static float w[T * K];
+  random_inputs(T, hid, ids, w);
   ids[3] = -1; /* one masked slot */
   megamoe_error *err;
   megamoe_op *op = create_op(kConfig, &err);
@@ -235,16 +240,7 @@ static megamoe_error *load_and_run(const char *config, const char *where, int T,
   megamoe_op *op = create_op(config, &err);
   CHECK_OK(err);
   if (!op) return NULL;
-  megamoe_op_prepare_args p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE;
-  p.op = op;
-  p.tensors = mmfx_nt;
-  p.num_tensors = MMFX_NT;
-  p.requant_rel_rms_max = p.requant_abs_max = -1.0;
-  err = mmfx_api->prepare_weights(&p);
-  *rel = p.requant_rel_rms_max;
-  *abs_err = p.requant_abs_max;
+  err = mmfx_prepare_report(op, 0, mmfx_nt, MMFX_NT, rel, abs_err);
   if (!err) {
     megamoe_op_info_args info;
     CHECK_OK(mmfx_info(op, &info));
@@ -267,11 +263,7 @@ static void test_backend_requant(void) {
   static uint16_t hid[T * H], out[3][T * H];
   static int32_t ids[T * K];
   static float w[T * K];
-  for (int i = 0; i < T * H; i++) hid[i] = mm_float_to_bf16(mm_test_normal());
-  for (int i = 0; i < T * K; i++) {
-    ids[i] = (int)(mm_test_rand_u64() % E);
-    w[i] = mm_test_uniform(0, 1);
-  }
+  random_inputs(T, hid, ids, w);
   char config[512], strict[512];
   snprintf(config, sizeof config, "%srequant:\n  policy: group16-to-group32\n", kConfig);
   const char *where[3] = {NULL, "loader", "backend"};
