@@ -581,7 +581,8 @@ mm_err *mm_requant_expert(const mm_config *cfg, int eid, const mm_expert_q *src,
     const size_t row0 = dst && p == 1 ? (size_t)I : 0;
     const mm_g16_source g = mm_g16_rows(m, p == 1 ? I : 0, p == 2 ? H : I);
     err = mm_requant_g16_to_g32(&g, o->codes + row0 * (size_t)(m->cols / 2),
-                                o->scales + row0 * (size_t)(m->cols / 32), 0, &st[p]);
+                                o->scales + row0 * (size_t)(m->cols / 32), cfg->cpu_threads,
+                                &st[p]);
     err = err ? mm_error_wrap(err, "%s", pname[p])
               : mm_requant_limit_error(pname[p], &st[p], cfg->requant_max_rel_error);
   }

@@ -115,7 +115,8 @@ mm_err *mm_requant_report_finish(mm_requant_report *r, const mm_config *cfg,
  * deferred load leaves it: row_scale = each row's projection's global),
  * projection by projection as the loader runs it: the same bytes,
  * statistics (st[3]: gate, up, down) and errors (a non-finite value, a
- * tensor above cfg->requant_max_rel_error), named experts.<eid>.<proj>.
+ * tensor above cfg->requant_max_rel_error), named experts.<eid>.<proj>,
+ * on cfg->cpu_threads threads.
  * dst (may be NULL: errors and statistics only) gets a new group-32
  * expert, row_scale 1, only on success; src stays the caller's. */
 mm_err *mm_requant_expert(const mm_config *cfg, int eid, const mm_expert_q *src,

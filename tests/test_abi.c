@@ -228,7 +228,7 @@ static void test_bad_weights(void) {
 }
 
 /* One op on `config` with MEGAMOE_CPU_REQUANT=where (NULL: unset): prepare
- * layer 0 (its requant statistics to rel/abs), then T tokens into out.
+ * layer 0 (its requant statistics to rel/abs), then T tokens into io's out.
  * Returns prepare's error (the op is gone either way). */
 static megamoe_error *load_and_run(const char *config, const char *where, int T,
                                    const mmfx_io *io, double *rel, double *abs_err, int *gran) {

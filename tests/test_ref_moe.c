@@ -161,11 +161,6 @@ static void test_bad_ids(void) {
   mm_qmat_free(&ex.w2);
 }
 
-/* A token's output does not depend on the tokens that share its expert's
- * call (the reference takes tokens 4 at a time, then one by one), nor on
- * the thread count: a call of 7 tokens against one call per token, and 1
- * against 3 threads, bit for bit. Wide scale ranges, so that the float64
- * sums can round. */
 /* One expert with scales 2^-6 .. 2^8 and m rows of FP8 inputs without NaN. */
 typedef struct {
   mm_expert_q ex;
@@ -199,6 +194,11 @@ static void free_expert_case(expert_case *c) {
   mm_qmat_free(&c->ex.w2);
 }
 
+/* A token's output does not depend on the tokens that share its expert's
+ * call (the reference takes tokens 4 at a time, then one by one), nor on
+ * the thread count: a call of 7 tokens against one call per token, and 1
+ * against 3 threads, bit for bit. Wide scale ranges, so that the float64
+ * sums can round. */
 static void test_batch_invariance(void) {
   const int H = 512, I = 256, m = 7;
   expert_case c;
