@@ -186,14 +186,13 @@ static mm_err *cuda_prepare_layer_requant(mm_op *op, int layer, mm_expert_q *exp
   return prepare(op, layer, experts, num_local, stats, stream);
 }
 
-/* The requant runs on the GPU where MEGAMOE_SM90_REQUANT=gpu asks for it and
- * the layer is packed there (docs/CONFIG.md). Its kernels and the GPU packer
- * have run on the H200 (the host's bytes, 127 ms a GLM-5 layer against 732);
- * the default stays the host's requant until a whole load through the op has
- * run there too (docs/PERF.md, "GPU requant"). */
+/* The requant runs on the GPU wherever the layer is packed there, unless
+ * MEGAMOE_SM90_REQUANT=host keeps it in the loader (docs/CONFIG.md). Same
+ * bytes either way; the GPU's is 127 ms a GLM-5 EP8 layer against 732 on the
+ * host's 16 cores (docs/PERF.md, "GPU requant"). */
 static int cuda_requants_itself(mm_op *op) {
   const char *v = getenv("MEGAMOE_SM90_REQUANT");
-  if (!v || strcasecmp(v, "gpu") != 0) return 0;
+  if (v && strcasecmp(v, "host") == 0) return 0;
   return mm_sm90_packs_on_gpu(choose_mode(op, 32));
 }
 

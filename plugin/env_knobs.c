@@ -31,7 +31,7 @@ static const env_knob g_knobs[] = {
     {"MEGAMOE_SM90_PREFILL", "0 1"},
     {"MEGAMOE_SM90_PREFILL_NARROW", "0 1"},
     {"MEGAMOE_SM90_PACK", "auto gpu host"},
-    {"MEGAMOE_SM90_REQUANT", "host gpu"},
+    {"MEGAMOE_SM90_REQUANT", "gpu host"},
     {"MEGAMOE_CPU_SIMD", "0 1"},
     {"MEGAMOE_CPU_REQUANT", "loader backend"},
 };
