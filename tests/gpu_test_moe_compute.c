@@ -114,6 +114,62 @@ static double rel_frob(const uint16_t *a, const uint16_t *ref, int rows, int H, 
   return r2 > 0 ? sqrt(e2 / r2) : (e2 > 0 ? 1.0 : 0.0);
 }
 
+/* BF16 values one step apart: adjacent encodings of the same sign (a
+ * rounding near-tie that an FP32 sum and the float64 reference round to
+ * either side of). */
+static int bf16_one_step(uint16_t a, uint16_t b) {
+  return (a ^ b) < 0x8000u && (a > b ? a - b : b - a) == 1;
+}
+
+/* rel_frob without the values one BF16 step from the reference, which are
+ * counted in *flips instead. An FP32-accumulating path rounds such
+ * near-ties to the other side now and then (its sums carry several FP32
+ * roundings; up to 0.04% of a case's values on the H100), and one such
+ * flip on a value that dominates the case's norm moves rel_frob by up to
+ * 2^-8 alone (seed 1796586083, quick set: 1 of 24576 values, -3.50e11
+ * against -3.52e11, 1.045e-3). */
+static double rel_frob_flips(const uint16_t *a, const uint16_t *ref, int rows, int H, size_t *flips) {
+  double e2 = 0, r2 = 0;
+  *flips = 0;
+  for (size_t i = 0; i < (size_t)rows * H; i++) {
+    const double x = mm_bf16_to_float(a[i]), y = mm_bf16_to_float(ref[i]);
+    r2 += y * y;
+    if (bf16_one_step(a[i], ref[i])) ++*flips;
+    else e2 += (x - y) * (x - y);
+  }
+  return r2 > 0 ? sqrt(e2 / r2) : (e2 > 0 ? 1.0 : 0.0);
+}
+
+/* On a failed comparison: how many values differ, how many by more than
+ * one BF16 step of the reference, and the largest differences with their
+ * places, so that a rare failure says what it was (one wrong value, a
+ * wrong row, or a spread of rounding flips). */
+static void report_worst(const char *what, const uint16_t *a, const uint16_t *ref, int rows, int H) {
+  enum { kShow = 4 };
+  double worst[kShow] = {0};
+  int wi[kShow] = {0}, wc[kShow] = {0};
+  size_t differ = 0, far = 0;
+  for (int i = 0; i < rows; i++)
+    for (int c = 0; c < H; c++) {
+      const uint16_t ga = a[(size_t)i * H + c], gr = ref[(size_t)i * H + c];
+      if (ga == gr) continue;
+      differ++;
+      const double x = mm_bf16_to_float(ga), y = mm_bf16_to_float(gr), d = fabs(x - y);
+      far += d > fabs(y) * 0x1p-7;
+      for (int k = 0; k < kShow; k++)
+        if (!(d <= worst[k])) { /* NaN sorts first */
+          for (int j = kShow - 1; j > k; j--) worst[j] = worst[j - 1], wi[j] = wi[j - 1], wc[j] = wc[j - 1];
+          worst[k] = d, wi[k] = i, wc[k] = c;
+          break;
+        }
+    }
+  printf("#   %s: %zu of %zu values differ, %zu by more than one BF16 step\n", what, differ,
+         (size_t)rows * H, far);
+  for (int k = 0; k < kShow && (size_t)k < differ; k++)
+    printf("#     row %d col %d: got %.6g, reference %.6g\n", wi[k], wc[k],
+           mm_bf16_to_float(a[(size_t)wi[k] * H + wc[k]]), mm_bf16_to_float(ref[(size_t)wi[k] * H + wc[k]]));
+}
+
 /* An expert's weights as the check's reference reads them: w13 [2I][H]
  * (gate rows, then up rows) and w2 [H][I] without their row factors, and
  * the row factors r13 [2I], r2 [H]. From the checkpoint (mm_qmat_weight),
@@ -589,7 +645,10 @@ static void run_case(mm_weight_mode mode, const shape *s) {
       const double diff_frac = mode == MM_WMODE_G16_FP8 ? 0.04 : 0.02;
       /* L2's input is the GPU's intermediate, not exact-sum data, so the
        * QGMMA bound holds there for exact-sum cases too (measured 1.016e-3
-       * on one with 32-wide tiles forced). */
+       * on one with 32-wide tiles forced). The FP32-accumulating paths are
+       * held to 1e-3 without their one-step rounding flips (rel_frob_flips),
+       * and those to 0.2% of the values and 4 (measured at most 0.04%: 1 of
+       * 2500 values; 52 of 1.05 million in the largest case). */
       const double l2_tol = qg ? 5e-3 : 1e-3;
       /* End to end, loosely. Mode 1 on the extreme-exponent data: its
        * legitimate near-tie flips in L1 (checked code by code below) land on
@@ -639,10 +698,18 @@ static void run_case(mm_weight_mode mode, const shape *s) {
           ref_l2(&dx[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
                  ref2 + (size_t)offs[e] * H);
         int nan2;
-        double rel2 = rel_frob(got + (size_t)lead * H, ref2 + (size_t)lead * H, Mused - lead, H, &nan2);
-        printf("#   %s L2 from the GPU's intermediate: rel %.3e (tol %.1e)\n",
-               path_name(path), rel2, l2_tol);
-        CHECK(rel2 <= l2_tol);
+        const uint16_t *g2 = got + (size_t)lead * H, *r2 = ref2 + (size_t)lead * H;
+        const double rel2 = rel_frob(g2, r2, Mused - lead, H, &nan2);
+        size_t flips = 0;
+        const double rel2x = qg ? rel2 : rel_frob_flips(g2, r2, Mused - lead, H, &flips);
+        const size_t max_flips = (size_t)(Mused - lead) * H / 500 + 4;
+        printf("#   %s L2 from the GPU's intermediate: rel %.3e", path_name(path), rel2);
+        if (!qg) printf(", %.3e without its %zu one-step flips (at most %zu)", rel2x, flips, max_flips);
+        printf(" (tol %.1e)\n", l2_tol);
+        if (!(rel2x <= l2_tol) || flips > max_flips)
+          report_worst("L2 against the reference from the GPU's intermediate", g2, r2, Mused - lead, H);
+        CHECK(rel2x <= l2_tol);
+        CHECK(flips <= max_flips);
       }
       /* the F16 modes stage their copy of x in out, mode 3 on the WGMMA path */
       check_out_rows(L, &pool, s->clamp, d_ws, wsb, (mm_sm90_path)path, got, lead, Mused, H,
