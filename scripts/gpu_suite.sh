@@ -15,7 +15,8 @@
 #   GPU_SUITE_LAYER_TOKENS=8,128,1024,8192   tokens per rank of the layer step
 #                          (whole-layer latency on the e2e checkpoint)
 #   MEGAMOE_TEST_REPLAYS=1000   graph replays of gpu_test_ep_ranks
-#   GPU_SUITE_SANITIZE="GLOB ..."   test binaries under compute-sanitizer
+#   GPU_SUITE_SANITIZE="GLOB ..."   test binaries under compute-sanitizer (the
+#                          sanitizer step also runs megamoe-host under memcheck)
 #   GPU_SUITE_SANITIZE_TOOLS="memcheck racecheck synccheck"   its tools
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
@@ -105,6 +106,22 @@ if [[ " $steps " == *" sanitizer "* ]]; then
         "$t" >"$out/$name.$tool.log" 2>&1
       row "$name ($tool)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.$tool.log" | tail -1)"
     done
+  done
+  # The op's whole path through the ABI (load, GPU packing and requant,
+  # plan, dispatch, compute, combine) under memcheck: megamoe-host on a
+  # small checkpoint (16 experts, H 1024, I 512), both requant policies.
+  small=/tmp/gpu_suite_small/ckpt
+  mkdir -p "$(dirname "$small")"
+  [ -e "$small" ] || "$pack/host/megamoe-synth" --out "$small" --layers 1 --hidden 1024 \
+    --intermediate 512 --experts 16 --format nvfp4 --seed 3 --fast >"$out/small_synth.log" 2>&1
+  for policy in none group16-to-group32; do
+    timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 \
+      "$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so" \
+      --config "$src/conf/megamoe.yaml" --checkpoint "$small" --set model.hidden-size=1024 \
+      --set model.moe-intermediate-size=512 --set model.num-experts=16 --set model.top-k=4 \
+      --set requant.policy=$policy --set num-max-tokens-per-rank=256 --tokens 7,200 \
+      --iters 2 --warmup 1 --check-tokens 4 >"$out/host-$policy.memcheck.log" 2>&1
+    row "megamoe-host $policy (memcheck)" "rc=$? $(grep 'ERROR SUMMARY' "$out/host-$policy.memcheck.log" | tail -1) $(grep -oE 'PASS|FAIL' "$out/host-$policy.memcheck.log" | tail -1)"
   done
 fi
 if [[ " $steps " == *" e2e "* ]]; then
