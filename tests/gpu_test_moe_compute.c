@@ -154,10 +154,11 @@ static void report_worst(const char *what, const uint16_t *a, const uint16_t *re
       const uint16_t ga = a[(size_t)i * H + c], gr = ref[(size_t)i * H + c];
       if (ga == gr) continue;
       differ++;
-      const double x = mm_bf16_to_float(ga), y = mm_bf16_to_float(gr), d = fabs(x - y);
+      const double x = mm_bf16_to_float(ga), y = mm_bf16_to_float(gr);
+      const double d = isnan(x - y) ? INFINITY : fabs(x - y); /* NaN first */
       far += d > fabs(y) * 0x1p-7;
       for (int k = 0; k < kShow; k++)
-        if (!(d <= worst[k])) { /* NaN sorts first */
+        if (d > worst[k]) {
           for (int j = kShow - 1; j > k; j--) worst[j] = worst[j - 1], wi[j] = wi[j - 1], wc[j] = wc[j - 1];
           worst[k] = d, wi[k] = i, wc[k] = c;
           break;
@@ -677,6 +678,9 @@ static void run_case(mm_weight_mode mode, const shape *s) {
              (double)s->clamp, s->extreme ? " extreme" : "", rel, tol,
              m3 ? ", folded weights" : "", nan_rows);
       CHECK(nan_rows == 0);
+      if (!(rel <= tol))
+        report_worst("end to end against the reference", got + (size_t)lead * H,
+                     (m3 ? ref_fold : ref) + (size_t)lead * H, Mused - lead, H);
       CHECK(rel <= tol);
       if (m3) { /* and against the checkpoint's weights: the fold error */
         int nan_c;
