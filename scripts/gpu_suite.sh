@@ -39,9 +39,15 @@ glm_ckpt() {
   [ -e "$ck" ] || "$pack/host/megamoe-synth" --out "$ck" --layers 1 --hidden 6144 \
     --intermediate 2048 --experts 256 --format nvfp4 --seed 7 --fast >"$out/synth.log" 2>&1
 }
-glm_host=("$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so"
-  --config "$src/conf/megamoe.yaml" --checkpoint "$ck" --set model.hidden-size=6144
-  --set model.moe-intermediate-size=2048 --set model.num-experts=256 --set model.top-k=8)
+# host_cmd CKPT H I E TOPK: megamoe-host with the plugin and a checkpoint of
+# that shape, in the array host_cmd.
+host_cmd() {
+  host_cmd=("$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so"
+    --config "$src/conf/megamoe.yaml" --checkpoint "$1" --set model.hidden-size="$2"
+    --set model.moe-intermediate-size="$3" --set model.num-experts="$4" --set model.top-k="$5")
+}
+host_cmd "$ck" 6144 2048 256 8
+glm_host=("${host_cmd[@]}")
 
 nvidia-smi -L 2>&1 | tee "$out/gpus.txt" || true
 # run_test NAME LOG BINARY [ENV...]: one test program, one summary row.
@@ -114,13 +120,11 @@ if [[ " $steps " == *" sanitizer "* ]]; then
   mkdir -p "$(dirname "$small")"
   [ -e "$small" ] || "$pack/host/megamoe-synth" --out "$small" --layers 1 --hidden 1024 \
     --intermediate 512 --experts 16 --format nvfp4 --seed 3 --fast >"$out/small_synth.log" 2>&1
+  host_cmd "$small" 1024 512 16 4
   for policy in none group16-to-group32; do
     timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 \
-      "$pack/host/megamoe-host" --plugin "$pack/plugin/.libs/libmegamoe_plugin.so" \
-      --config "$src/conf/megamoe.yaml" --checkpoint "$small" --set model.hidden-size=1024 \
-      --set model.moe-intermediate-size=512 --set model.num-experts=16 --set model.top-k=4 \
-      --set requant.policy=$policy --set num-max-tokens-per-rank=256 --tokens 7,200 \
-      --iters 2 --warmup 1 --check-tokens 4 >"$out/host-$policy.memcheck.log" 2>&1
+      "${host_cmd[@]}" --set requant.policy=$policy --set num-max-tokens-per-rank=256 \
+      --tokens 7,200 --iters 2 --warmup 1 --check-tokens 4 >"$out/host-$policy.memcheck.log" 2>&1
     row "megamoe-host $policy (memcheck)" "rc=$? $(grep 'ERROR SUMMARY' "$out/host-$policy.memcheck.log" | tail -1) $(grep -oE 'PASS|FAIL' "$out/host-$policy.memcheck.log" | tail -1)"
   done
 fi

@@ -156,7 +156,7 @@ static void report_worst(const char *what, const uint16_t *a, const uint16_t *re
       differ++;
       const double x = mm_bf16_to_float(ga), y = mm_bf16_to_float(gr);
       const double d = isnan(x - y) ? INFINITY : fabs(x - y); /* NaN first */
-      far += d > fabs(y) * 0x1p-7;
+      far += !bf16_one_step(ga, gr);
       for (int k = 0; k < kShow; k++)
         if (d > worst[k]) {
           for (int j = kShow - 1; j > k; j--) worst[j] = worst[j - 1], wi[j] = wi[j - 1], wc[j] = wc[j - 1];
