@@ -168,11 +168,12 @@
  * pair with one byte permute, so its k16 HGMMA steps see K in mm_sm90_kperm
  * order inside every 32-column block; its B operands (the prep kernel's F16
  * copy of x, the L1 epilogue's F16 intermediate) are stored in that order.
- * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 (its own code layout, one or
- * two shifts and masks per pair: dec_h) by its scales' F16 pairs: its K
- * order (mm_sm90_kperm) puts a column of each of a k32 chunk's two groups
- * in every register, so one conversion of two adjacent scale bytes makes
- * the pair of all the chunk's registers of a row. */
+ * Mode 2 multiplies F16 pairs of e2m1 * 2^-14 (its own code layout, 1-3
+ * instructions per pair: mm_sm90_dec_f16_pair, plugin/layout_sm90.h) by
+ * its scales' F16 pairs: its K order (mm_sm90_kperm) puts a column of each
+ * of a k32 chunk's two groups in every register, so one conversion of two
+ * adjacent scale bytes makes the pair of all the chunk's registers of a
+ * row. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -305,19 +306,6 @@ __device__ __forceinline__ void turn_sync(int c) {
 __device__ __forceinline__ void turn_grant(int c) { /* the other warpgroup's turn */
   if (c) asm volatile("bar.arrive 2, 256;" ::: "memory");
   else asm volatile("bar.arrive 3, 256;" ::: "memory");
-}
-/* Mode 2: the F16 pair (value * 2^-14) of slot o of both 16-bit lanes of a
- * code word: magnitude to bits 9-11, sign to bit 15. The layout puts slot
- * 2's sign 6 bits above its magnitude and slot 3 in place, so that those
- * take one shift and one mask or the mask alone (mm_sm90_code_slot; with
- * the standard nibbles every slot took two shifts and two masks). */
-__device__ __forceinline__ uint32_t dec_h(uint32_t w, int o) {
-  switch (o) {
-    case 0: return ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
-    case 1: return ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
-    case 2: return (w << 3) & 0x8E008E00u;
-    default: return w & 0x8E008E00u;
-  }
 }
 /* Mode 1/3/4 decode of one code word (8 weights) with its fold-table entry
  * t (8 magnitude bytes): lo = bytes of nibbles 0-3 (signs at bits 8i + 7),
@@ -790,10 +778,10 @@ struct Kern {
   static __device__ __forceinline__ void decode_word(uint32_t word, uint2 t, uint32_t sc, int rr,
                                                      uint32_t (&a)[2][4]) {
     if (MODE == 2) {
-      a[0][rr] = hmul2u(dec_h(word, 0), sc);
-      a[0][rr + 2] = hmul2u(dec_h(word, 1), sc);
-      a[1][rr] = hmul2u(dec_h(word, 2), sc);
-      a[1][rr + 2] = hmul2u(dec_h(word, 3), sc);
+      a[0][rr] = hmul2u(mm_sm90_dec_f16_pair(word, 0), sc);
+      a[0][rr + 2] = hmul2u(mm_sm90_dec_f16_pair(word, 1), sc);
+      a[1][rr] = hmul2u(mm_sm90_dec_f16_pair(word, 2), sc);
+      a[1][rr + 2] = hmul2u(mm_sm90_dec_f16_pair(word, 3), sc);
       return;
     }
     uint32_t lo, hi;

@@ -152,10 +152,11 @@ MM_SM90_HD int mm_sm90_kperm_pos(mm_weight_mode mode, int k) {
  *    holds position 2q + hh + 8*jh of step s in slot o = 2*(s%2) + jh:
  *    magnitude at 16hh + {0, 3, 6, 9}[o], sign at 16hh + {13, 14, 12,
  *    15}[o], so that one or two shifts and masks of the word put both
- *    lanes' codes of slot o at F16 bits 9-11 and 15 (the kernels' dec_h: 4,
- *    4, 2 and 1 instructions for slots 0-3). Lane hh holds a column of the
- *    32-column block's group hh (mm_sm90_kperm_pos), so a word's F16 pairs
- *    all take the scale pair of the block's two groups. */
+ *    lanes' codes of slot o at F16 bits 9-11 and 15
+ *    (mm_sm90_dec_f16_pair: 3, 3, 2 and 1 instructions for slots 0-3).
+ *    Lane hh holds a column of the 32-column block's group hh
+ *    (mm_sm90_kperm_pos), so a word's F16 pairs all take the scale pair of
+ *    the block's two groups. */
 MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word_off,
                                   int *mag_bit, int *sign_bit) {
   int w = lr >> 4, g = lr & 7, rr = (lr >> 3) & 1, u, q;
@@ -178,6 +179,26 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
   }
   int t = 32 * w + 4 * g + q;
   *word_off = (u >> 2) * 2048 + t * 16 + (u & 3) * 4;
+}
+
+/* Mode 2's decode of slot o (0-3) of a code word: both 16-bit lanes'
+ * codes as the F16 pair of e2m1 * 2^-14 (magnitude at bits 9-11, sign at
+ * 15; mm_sm90_code_slot places them). Slots 2 and 3 take one shift and a
+ * mask, or the mask alone. Slots 0 and 1 move magnitude and sign by
+ * different amounts (9 and 2, 6 and 1): their bits, masked, times 2^a + 2^b
+ * make both shifted copies in one multiply-add, and a second mask keeps the
+ * wanted bits, 3 instructions where two shifts and two masks took 4 (mode 2
+ * 1-3.5% faster at 256-4096 tokens: docs/PERF.md, version 43). No two set
+ * bits of the copies meet in slot 0; in slot 1 one pair does (bit 20), and
+ * its carry ends by bit 23, below every kept bit. test_layout_sm90 checks
+ * every code of every slot against mm_sm90_code_slot. */
+MM_SM90_HD uint32_t mm_sm90_dec_f16_pair(uint32_t w, int o) {
+  switch (o) {
+    case 0: return ((w & 0x20072007u) * ((1u << 9) + (1u << 2))) & 0x8E008E00u;
+    case 1: return ((w & 0x40384038u) * ((1u << 6) + (1u << 1))) & 0x8E008E00u;
+    case 2: return (w << 3) & 0x8E008E00u;
+    default: return w & 0x8E008E00u;
+  }
 }
 
 /* Scale byte index (within the row's bytes) of column kk of a record. */

@@ -581,6 +581,50 @@ static void test_mode4_f16_high_bytes(void) {
   CHECK_EQ_INT(entries, (MM_SM90_LUT_KMAX - MM_SM90_LUT_KMIN + 1) * 8);
 }
 
+/* Mode 2's kernel decode (mm_sm90_dec_f16_pair) against the layout: for
+ * every slot o and lane hh that mm_sm90_code_slot gives a weight, and every
+ * value of that lane's 16 bits (the other lane a varying mix), the lane of
+ * the decoded pair is the F16 of e2m1(code) * 2^-14, code read from the
+ * slot's magnitude and sign bits; no other lane bits leak in. */
+static void test_mode2_f16_pair_decode(void) {
+  int seen[4][2] = {{0}};
+  for (int lr = 0; lr < 64; lr++)
+    for (int kk = 0; kk < 128; kk++) {
+      int off, mb, sb;
+      mm_sm90_code_slot(MM_WMODE_G16_BF16_EXACT, lr, kk, &off, &mb, &sb);
+      const int hh = mb / 16, o = (mb % 16) / 3;
+      CHECK(mb % 16 % 3 == 0 && o < 4 && sb / 16 == hh);
+      seen[o][hh]++;
+    }
+  int bad = 0;
+  for (int o = 0; o < 4; o++)
+    for (int hh = 0; hh < 2; hh++) {
+      CHECK_MSG(seen[o][hh] > 0, "slot %d lane %d holds no weight", o, hh);
+      int mb = -1, sb = -1; /* this slot's bits, from the layout */
+      for (int lr = 0; lr < 64 && mb < 0; lr++)
+        for (int kk = 0; kk < 128; kk++) {
+          int off, m, sg;
+          mm_sm90_code_slot(MM_WMODE_G16_BF16_EXACT, lr, kk, &off, &m, &sg);
+          if (m == 16 * hh + 3 * o) {
+            mb = m;
+            sb = sg;
+            break;
+          }
+        }
+      for (uint32_t v = 0; v < 65536; v++) {
+        const uint32_t other = (v * 40503u + 0x9E37u) & 0xFFFFu;
+        const uint32_t w = hh ? (v << 16) | other : (other << 16) | v;
+        const uint8_t code = (uint8_t)((((w >> sb) & 1) << 3) | ((w >> mb) & 7));
+        const uint16_t want = f16_bits(mm_e2m1_to_float(code) * 0x1p-14f);
+        const uint16_t got = (uint16_t)(mm_sm90_dec_f16_pair(w, o) >> (16 * hh));
+        if (got != want && bad++ < 5)
+          fprintf(stderr, "# slot %d lane %d word 0x%08X: 0x%04X, want 0x%04X\n", o, hh,
+                  (unsigned)w, got, want);
+      }
+    }
+  CHECK_EQ_INT(bad, 0);
+}
+
 /* The reference exponent's 2^ref at the edges of FP32: the CPU reference, the
  * CUDA-core kernel and the WGMMA kernels (pow2_exact) agree on these. */
 static void test_pow2_edges(void) {
@@ -788,6 +832,7 @@ int main(void) {
   RUN(test_prefill_units);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
+  RUN(test_mode2_f16_pair_decode);
   RUN(test_mode3_kperm);
   RUN(test_mode4_f16_high_bytes);
   RUN(test_weight_mode_selection);
