@@ -604,6 +604,16 @@ static void test_config_json(void) {
   CHECK_OK(load_text("", ovj, 1, &c));
   CHECK_EQ_INT(c.model.top_k, 8);
   CHECK_EQ_INT(c.model.hidden_size, 5120);
+  /* The shipped file leaves config.json's keys unset: naming one there
+   * gives its shapes (forty-fifth stop's note: it used to pin GLM-5's). */
+  char shipped[1024];
+  snprintf(shipped, sizeof shipped, "%s/conf/megamoe.yaml", mm_test_srcdir());
+  CHECK_OK(mm_config_load(shipped, NULL, 0, NULL, ovj, 1, &c));
+  CHECK_EQ_INT(c.model.hidden_size, 5120);
+  CHECK_EQ_INT(c.model.moe_intermediate_size, 1536);
+  CHECK_EQ_INT(c.model.num_experts, 160);
+  CHECK_EQ_INT(c.model.top_k, 8);
+  CHECK(c.model.routed_scaling_factor == 2.5);
   /* An override of "" switches the file's config.json off. */
   mm_config_override off[] = {{"model.config-json", ""}};
   CHECK_OK(mm_config_load(path, NULL, 0, NULL, off, 1, &c));
