@@ -188,10 +188,11 @@ MM_SM90_HD void mm_sm90_code_slot(mm_weight_mode mode, int lr, int kk, int *word
  * different amounts (9 and 2, 6 and 1): their bits, masked, times 2^a + 2^b
  * make both shifted copies in one multiply-add, and a second mask keeps the
  * wanted bits, 3 instructions where two shifts and two masks took 4 (mode 2
- * 1-3.5% faster at 256-4096 tokens: docs/PERF.md, version 43). No two set
- * bits of the copies meet in slot 0; in slot 1 one pair does (bit 20), and
- * its carry ends by bit 23, below every kept bit. test_layout_sm90 checks
- * every code of every slot against mm_sm90_code_slot. */
+ * up to 3.7% faster at 256-4096 tokens on an H100: docs/PERF.md, version
+ * 43). No two set bits of the copies meet in slot 0; in slot 1 one pair
+ * does (bit 20), and its carry ends by bit 23, below every kept bit.
+ * test_layout_sm90 checks every code of every slot against
+ * mm_sm90_code_slot. */
 MM_SM90_HD uint32_t mm_sm90_dec_f16_pair(uint32_t w, int o) {
   switch (o) {
     case 0: return ((w & 0x20072007u) * ((1u << 9) + (1u << 2))) & 0x8E008E00u;
