@@ -1,0 +1,68 @@
+#!/bin/sh
+# scripts/bench_ab.sh without a GPU: two stand-in benches print the table
+# rows bench_moe_compute prints, their times set by the build and the round;
+# the A/B must run them in ABBA order with the extra arguments appended,
+# and print per argument set and row the mean, range and count of each
+# build's times and the new build's change; a failing run is reported.
+# Skips without bash.
+s=${MEGAMOE_SRCDIR:-$(dirname "$0")/..}
+if ! command -v bash >/dev/null 2>&1; then
+  echo "1..0 # SKIP no bash"
+  exit 0
+fi
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT
+FAKE_LOG=$tmp/calls
+export FAKE_LOG
+for v in base new; do
+  cat > "$tmp/$v" <<EOF2
+#!/bin/sh
+echo "$v | \$*" >> "\$FAKE_LOG"
+n=\$(grep -c "^$v " "\$FAKE_LOG")
+case "$v \$n" in
+  "base 1") u=200.0 ;; "base 2") u=204.0 ;; base*) u=202.0 ;;
+  "new 3") echo "cuda error: launch failed" >&2; exit 2 ;;
+  *) u=190.0 ;;
+esac
+echo "# device NVIDIA H200, 132 SMs"
+echo "| M | rows/expert | time us | TFLOP/s |"
+echo "|---|---|---|---|"
+echo "| 256 uniform | 8 | \$u | 75.0 |"
+echo "| 1024 random | 32 (max 41) | 300.0 | 260.0 |"
+EOF2
+  chmod +x "$tmp/$v"
+done
+echo "1..4"
+
+BENCH_AB_EXTRA="--iters 5" bash "$s/scripts/bench_ab.sh" "$tmp/base" "$tmp/new" 4 "--gran-k 16" \
+  > "$tmp/out" 2> "$tmp/err"
+want='| M, load | base: mean (range, runs) | new | change |
+|---|---|---|---|
+| 256 uniform | 202.0 (200.0-204.0, 4) | 190.0 (190.0-190.0, 3) | -5.9% |
+| 1024 random | 300.0 (300.0-300.0, 4) | 300.0 (300.0-300.0, 3) | +0.0% |'
+if [ "$(cat "$tmp/out")" = "$want" ]; then
+  echo "ok 1 - means, ranges and counts per build, the change of the means"
+else
+  echo "not ok 1 - the A/B table"
+  sed 's/^/# /' "$tmp/out"
+fi
+
+order=$(cut -d' ' -f1 "$FAKE_LOG" | tr '\n' ' ')
+if [ "$order" = "base new new base new base base new " ]; then
+  echo "ok 2 - rounds in ABBA order"
+else
+  echo "not ok 2 - the order of the runs: $order"
+fi
+
+if [ "$(cut -d'|' -f2- "$FAKE_LOG" | sort -u)" = " --gran-k 16 --iters 5" ]; then
+  echo "ok 3 - the argument set with BENCH_AB_EXTRA appended"
+else
+  echo "not ok 3 - the arguments: $(cut -d'|' -f2- "$FAKE_LOG" | sort -u | tr '\n' ';')"
+fi
+
+if grep -q "bench_ab: new failed (rc 2): cuda error: launch failed" "$tmp/err"; then
+  echo "ok 4 - a failed run is named with its last line"
+else
+  echo "not ok 4 - no failure report"
+  sed 's/^/# /' "$tmp/err"
+fi
