@@ -18,6 +18,9 @@
 #   GPU_SUITE_SANITIZE="GLOB ..."   test binaries under compute-sanitizer (the
 #                          sanitizer step also runs megamoe-host under memcheck)
 #   GPU_SUITE_SANITIZE_TOOLS="memcheck racecheck synccheck"   its tools
+# The sanitizer step with every test and tool took longer than one 10-minute
+# device call on an H100 (forty-ninth stop): name the tests or the tools per
+# call, e.g. GPU_SUITE_SANITIZE=gpu_test_moe_compute GPU_SUITE_SANITIZE_TOOLS=racecheck.
 set -uo pipefail
 pack=$(cd "${1:?usage: gpu_suite.sh PACK_DIR [OUT_DIR]}" && pwd)
 out=${2:-${OUT:-/tmp/gpu_suite}}
