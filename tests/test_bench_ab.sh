@@ -5,17 +5,16 @@
 # and print per argument set and row the mean, range and count of each
 # build's times and the new build's change; a failing run is reported.
 # Skips without bash.
-s=${MEGAMOE_SRCDIR:-$(dirname "$0")/..}
+. "${MEGAMOE_SRCDIR:-$(dirname "$0")/..}/tests/tap.sh"
 if ! command -v bash >/dev/null 2>&1; then
   echo "1..0 # SKIP no bash"
   exit 0
 fi
-tmp=$(mktemp -d) || exit 1
-trap 'rm -rf "$tmp"' EXIT
-FAKE_LOG=$tmp/calls
+tap_start 4 "$s/scripts/bench_ab.sh"
+FAKE_LOG=$dir/calls
 export FAKE_LOG
 for v in base new; do
-  cat > "$tmp/$v" <<EOF2
+  cat > "$dir/$v" <<EOF2
 #!/bin/sh
 echo "$v | \$*" >> "\$FAKE_LOG"
 n=\$(grep -c "^$v " "\$FAKE_LOG")
@@ -30,39 +29,25 @@ echo "|---|---|---|---|"
 echo "| 256 uniform | 8 | \$u | 75.0 |"
 echo "| 1024 random | 32 (max 41) | 300.0 | 260.0 |"
 EOF2
-  chmod +x "$tmp/$v"
+  chmod +x "$dir/$v"
 done
-echo "1..4"
 
-BENCH_AB_EXTRA="--iters 5" bash "$s/scripts/bench_ab.sh" "$tmp/base" "$tmp/new" 4 "--gran-k 16" \
-  > "$tmp/out" 2> "$tmp/err"
+BENCH_AB_EXTRA="--iters 5" bash "$s/scripts/bench_ab.sh" "$dir/base" "$dir/new" 4 "--gran-k 16" \
+  > "$dir/out" 2> "$dir/err"
 want='| M, load | base: mean (range, runs) | new | change |
 |---|---|---|---|
 | 256 uniform | 202.0 (200.0-204.0, 4) | 190.0 (190.0-190.0, 3) | -5.9% |
 | 1024 random | 300.0 (300.0-300.0, 4) | 300.0 (300.0-300.0, 3) | +0.0% |'
-if [ "$(cat "$tmp/out")" = "$want" ]; then
-  echo "ok 1 - means, ranges and counts per build, the change of the means"
-else
-  echo "not ok 1 - the A/B table"
-  sed 's/^/# /' "$tmp/out"
-fi
+tap_show=$dir/out
+[ "$(cat "$dir/out")" = "$want" ]
+check "means, ranges and counts per build, the change of the means" $?
 
-order=$(cut -d' ' -f1 "$FAKE_LOG" | tr '\n' ' ')
-if [ "$order" = "base new new base new base base new " ]; then
-  echo "ok 2 - rounds in ABBA order"
-else
-  echo "not ok 2 - the order of the runs: $order"
-fi
+tap_show=$FAKE_LOG
+[ "$(cut -d' ' -f1 "$FAKE_LOG" | tr '\n' ' ')" = "base new new base new base base new " ]
+check "rounds in ABBA order" $?
+[ "$(cut -d'|' -f2- "$FAKE_LOG" | sort -u)" = " --gran-k 16 --iters 5" ]
+check "the argument set with BENCH_AB_EXTRA appended" $?
 
-if [ "$(cut -d'|' -f2- "$FAKE_LOG" | sort -u)" = " --gran-k 16 --iters 5" ]; then
-  echo "ok 3 - the argument set with BENCH_AB_EXTRA appended"
-else
-  echo "not ok 3 - the arguments: $(cut -d'|' -f2- "$FAKE_LOG" | sort -u | tr '\n' ';')"
-fi
-
-if grep -q "bench_ab: new failed (rc 2): cuda error: launch failed" "$tmp/err"; then
-  echo "ok 4 - a failed run is named with its last line"
-else
-  echo "not ok 4 - no failure report"
-  sed 's/^/# /' "$tmp/err"
-fi
+tap_show=$dir/err
+grep -q "bench_ab: new failed (rc 2): cuda error: launch failed" "$dir/err"
+check "a failed run is named with its last line" $?
