@@ -587,30 +587,23 @@ static void test_mode4_f16_high_bytes(void) {
  * the decoded pair is the F16 of e2m1(code) * 2^-14, code read from the
  * slot's magnitude and sign bits; no other lane bits leak in. */
 static void test_mode2_f16_pair_decode(void) {
-  int seen[4][2] = {{0}};
+  int sign_bit[4][2]; /* each slot's sign bit, from the layout (-1: no weight) */
+  memset(sign_bit, -1, sizeof sign_bit);
   for (int lr = 0; lr < 64; lr++)
     for (int kk = 0; kk < 128; kk++) {
       int off, mb, sb;
       mm_sm90_code_slot(MM_WMODE_G16_BF16_EXACT, lr, kk, &off, &mb, &sb);
       const int hh = mb / 16, o = (mb % 16) / 3;
       CHECK(mb % 16 % 3 == 0 && o < 4 && sb / 16 == hh);
-      seen[o][hh]++;
+      CHECK(sign_bit[o][hh] < 0 || sign_bit[o][hh] == sb);
+      sign_bit[o][hh] = sb;
     }
   int bad = 0;
   for (int o = 0; o < 4; o++)
     for (int hh = 0; hh < 2; hh++) {
-      CHECK_MSG(seen[o][hh] > 0, "slot %d lane %d holds no weight", o, hh);
-      int mb = -1, sb = -1; /* this slot's bits, from the layout */
-      for (int lr = 0; lr < 64 && mb < 0; lr++)
-        for (int kk = 0; kk < 128; kk++) {
-          int off, m, sg;
-          mm_sm90_code_slot(MM_WMODE_G16_BF16_EXACT, lr, kk, &off, &m, &sg);
-          if (m == 16 * hh + 3 * o) {
-            mb = m;
-            sb = sg;
-            break;
-          }
-        }
+      const int mb = 16 * hh + 3 * o, sb = sign_bit[o][hh];
+      CHECK_MSG(sb >= 0, "slot %d lane %d holds no weight", o, hh);
+      if (sb < 0) continue;
       for (uint32_t v = 0; v < 65536; v++) {
         const uint32_t other = (v * 40503u + 0x9E37u) & 0xFFFFu;
         const uint32_t w = hh ? (v << 16) | other : (other << 16) | v;
