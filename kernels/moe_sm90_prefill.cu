@@ -103,6 +103,7 @@ struct PfParams {
   const int32_t *out_rows;
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
   int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
+  int task_kb;       /* K blocks per decode task (mm_sm90_prefill_task_kblocks) */
 };
 
 template <int GEMM>
@@ -237,12 +238,12 @@ __global__ void __launch_bounds__(384, 1)
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint64_t *full = (uint64_t *)(sm + G::kOffBar), *empty = full + G::kStages;
   /* units: each expert's token tiles in groups of CS (one per CTA of a
-   * cluster) times the column tiles; decode tasks: 16 records of a 64-row
-   * tile */
+   * cluster) times the column tiles; decode tasks: task_kb records of a
+   * 64-row tile */
   int *uoff = (int *)(sm + G::kOffSched), *toff = uoff + kChunk + 1;
   int *rbeg = toff + kChunk + 1, *rend = rbeg + kChunk + 1; /* each expert's pool rows */
   const int wg = threadIdx.x / 128, KB = p.K / 128, NT = p.N / G::BN;
-  const int groups = (KB + 15) / 16, tasks_pe = p.N / 64 * groups;
+  const int groups = (KB + p.task_kb - 1) / p.task_kb, tasks_pe = p.N / 64 * groups;
   uint32_t crank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
   /* an expert whose last token tile holds at most one warpgroup's rows:
@@ -314,10 +315,10 @@ __global__ void __launch_bounds__(384, 1)
           t = __shfl_sync(0xffffffffu, t, 0);
           if (t >= toff[p.E]) break;
           while (toff[dcur + 1] <= t) dcur++;
-          const int v = t - toff[dcur], tile = v / groups, kb0 = 16 * (v % groups);
+          const int v = t - toff[dcur], tile = v / groups, kb0 = p.task_kb * (v % groups);
           const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
                                ((size_t)tile * KB + kb0) * RecFmt<MODE>::kRec;
-          decode_record_run<MODE, GEMM == 1>(rec, kb0, min(KB, kb0 + 16), &tw,
+          decode_record_run<MODE, GEMM == 1>(rec, kb0, min(KB, kb0 + p.task_kb), &tw,
                                              dcur * p.N + 64 * tile, sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
         }
@@ -881,7 +882,13 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   /* a cap (tests): whole clusters, at least one */
   if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas < CS ? CS : max_ctas / CS * CS;
   cfg.gridDim = dim3(ctas);
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, p, ta, ts, tb, tw, tah, tq));
+  PfParams q = p; /* tasks for the launch's decoder warps: 3 a CTA */
+  q.task_kb = mm_sm90_prefill_task_kblocks(p.K / 128, p.N / 64, 3 * ctas);
+  /* MEGAMOE_SM90_PREFILL_TASK_KB=n (1-16): n K blocks per task instead
+   * (docs/CONFIG.md; a measurement's control and the tests' other sizes) */
+  const char *tk = getenv("MEGAMOE_SM90_PREFILL_TASK_KB");
+  if (tk && atoi(tk) >= 1 && atoi(tk) <= MM_SM90_PREFILL_TASK_KB_MAX) q.task_kb = atoi(tk);
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, q, ta, ts, tb, tw, tah, tq));
   return NULL;
 }
 

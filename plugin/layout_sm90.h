@@ -358,6 +358,24 @@ MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int small_last, 
   }
 }
 
+/* K blocks per decode task of the prefill path: a task decodes that many
+ * K blocks of one 64-row tile of one expert (kernels/moe_sm90_prefill.cu).
+ * A CTA copies none of an expert's weights before all of its tasks are
+ * done, so each launch starts with every CTA waiting for its first
+ * expert's decode, and a decoder warp walks its task's blocks one after
+ * another. Tasks as many as the launch's `decoders` warps (rounded up to
+ * whole K blocks, 2 to 16) let all of them decode the first expert at
+ * once: GLM-5 at EP8 on 132 SMs (396 decoder warps) takes 8 for L1 (384
+ * tasks an expert; 192 with 16, which left half the warps on the second
+ * expert) and 4 for L2 (384; 96 with 16). */
+#define MM_SM90_PREFILL_TASK_KB_MAX 16
+MM_SM90_HD int mm_sm90_prefill_task_kblocks(int kblocks, int row_tiles, int decoders) {
+  if (decoders < 1) decoders = 1;
+  const long work = (long)kblocks * row_tiles;
+  const long kt = (work + decoders - 1) / decoders;
+  return kt < 2 ? 2 : kt > MM_SM90_PREFILL_TASK_KB_MAX ? MM_SM90_PREFILL_TASK_KB_MAX : (int)kt;
+}
+
 /* The 128+160 launch pair's token tiles of an expert of m rows: how many
  * are 160 wide. They take the expert's first 160 a rows, and 128-wide
  * tiles the rest (mm_sm90_narrow_count), so one expert may take both

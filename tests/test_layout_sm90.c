@@ -748,6 +748,29 @@ static void test_launch_rule(void) {
  * of at most that many sets keeps the order of all its sets per column
  * tile. Without a small last tile the units are the old ones (only a last
  * set of one tile split). */
+/* mm_sm90_prefill_task_kblocks: GLM-5's two launches on 132 SMs, the
+ * bounds, and in between the fewest K blocks that give every decoder warp
+ * at most one task's share of the expert's work. */
+static void test_prefill_task_kblocks(void) {
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(48, 64, 3 * 132), 8); /* L1: 384 tasks */
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(16, 96, 3 * 132), 4); /* L2: 384 tasks */
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(10, 20, 3 * 132), 2); /* small: the floor */
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(48, 64, 9), 16);      /* 3 CTAs: the cap */
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(48, 64, 0), 16);
+  CHECK_EQ_INT(mm_sm90_prefill_task_kblocks(1, 1, 1), 2);
+  int bad = 0;
+  for (int kb = 1; kb <= 64; kb++)
+    for (int rt = 1; rt <= 128; rt += 7)
+      for (int d = 1; d <= 600; d += 13) {
+        const int kt = mm_sm90_prefill_task_kblocks(kb, rt, d);
+        const long work = (long)kb * rt;
+        bad += kt < 2 || kt > MM_SM90_PREFILL_TASK_KB_MAX;
+        if (kt > 2 && kt < MM_SM90_PREFILL_TASK_KB_MAX)
+          bad += (long)kt * d < work || (long)(kt - 1) * d >= work;
+      }
+  CHECK_EQ_INT(bad, 0);
+}
+
 static void test_prefill_units(void) {
   static const int k_cs[] = {1, 2, 4};
   static const int k_nt[] = {1, 2, 3, 5, 9, 16, 48};
@@ -823,6 +846,7 @@ int main(void) {
   RUN(test_wide_split);
   RUN(test_launch_rule);
   RUN(test_prefill_units);
+  RUN(test_prefill_task_kblocks);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
   RUN(test_mode2_f16_pair_decode);
