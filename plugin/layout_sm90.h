@@ -367,7 +367,11 @@ MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int small_last, 
  * whole K blocks, 2 to 16) let all of them decode the first expert at
  * once: GLM-5 at EP8 on 132 SMs (396 decoder warps) takes 8 for L1 (384
  * tasks an expert; 192 with 16, which left half the warps on the second
- * expert) and 4 for L2 (384; 96 with 16). */
+ * expert) and 4 for L2 (384; 96 with 16): 3.4-4% faster at M = 32768 on
+ * even loads, 0.8-2.6% on routed ones. 4 in both ran level with it, 12
+ * 2-3% slower, 2 up to 2% in mode 1; counts per K group, which let the
+ * GEMM start on an expert's first blocks, 13-15% slower (docs/PERF.md,
+ * version 44). */
 #define MM_SM90_PREFILL_TASK_KB_MAX 16
 MM_SM90_HD int mm_sm90_prefill_task_kblocks(int kblocks, int row_tiles, int decoders) {
   if (decoders < 1) decoders = 1;
