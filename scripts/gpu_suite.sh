@@ -83,7 +83,9 @@ if [[ " $steps " == *" tests "* ]]; then
   # at every size), mixed tiles off, one and
   # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
   # pipeline ring wraps; the test's sizes alone never wrap it; with 64- and
-  # 128-wide tiles the consumer warpgroups' turns run through many units).
+  # 128-wide tiles the consumer warpgroups' turns run through many units),
+  # and the prefill path's decode tasks of 1 and of 16 K blocks (the test's
+  # shapes take 2 by the rule).
   t=$pack/tests/gpu_test_moe_compute
   # shellcheck disable=SC2053 # the right side is the test glob
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then

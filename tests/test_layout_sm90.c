@@ -738,16 +738,6 @@ static void test_launch_rule(void) {
   free(doc);
 }
 
-/* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
- * token tile and a column tile is computed by exactly one CTA of one unit
- * (a lost pair would drop tokens, a doubled one race on their output); a
- * full set's CTAs share the column tile they multicast and hold
- * consecutive token tiles; a split unit's CTAs share one of the expert's
- * last tiles (the last one alone, or with a small last tile the whole last
- * set); raster groups hold MM_SM90_PREFILL_RASTER_SETS sets, and an expert
- * of at most that many sets keeps the order of all its sets per column
- * tile. Without a small last tile the units are the old ones (only a last
- * set of one tile split). */
 /* mm_sm90_prefill_task_kblocks: GLM-5's two launches on 132 SMs, the
  * bounds, and in between the fewest K blocks that give every decoder warp
  * at most one task's share of the expert's work. */
@@ -771,6 +761,16 @@ static void test_prefill_task_kblocks(void) {
   CHECK_EQ_INT(bad, 0);
 }
 
+/* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
+ * token tile and a column tile is computed by exactly one CTA of one unit
+ * (a lost pair would drop tokens, a doubled one race on their output); a
+ * full set's CTAs share the column tile they multicast and hold
+ * consecutive token tiles; a split unit's CTAs share one of the expert's
+ * last tiles (the last one alone, or with a small last tile the whole last
+ * set); raster groups hold MM_SM90_PREFILL_RASTER_SETS sets, and an expert
+ * of at most that many sets keeps the order of all its sets per column
+ * tile. Without a small last tile the units are the old ones (only a last
+ * set of one tile split). */
 static void test_prefill_units(void) {
   static const int k_cs[] = {1, 2, 4};
   static const int k_nt[] = {1, 2, 3, 5, 9, 16, 48};
