@@ -12,7 +12,10 @@
  * workspace, expert by expert ahead of the GEMM and beside it
  * (sm90_record_decode.h). Decode tasks are claimed from a counter, so every
  * task belongs to a running CTA whatever else holds SMs; a CTA waits for an
- * expert's tasks before its first copy of that expert's weights.
+ * expert's tasks before its first copy of that expert's weights. A task is
+ * some K blocks of a 64-row tile, sized so that every decoder warp gets
+ * about one task of each expert (mm_sm90_prefill_task_kblocks): a launch
+ * starts with all of them on its first expert (docs/PERF.md, version 44).
  *
  * Only matrices whose reference exponents are all 0 (the layer's
  * refs_zero: the row anchor moved every row's reference into its row
