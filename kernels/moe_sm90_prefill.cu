@@ -890,7 +890,8 @@ mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
   /* MEGAMOE_SM90_PREFILL_TASK_KB=n (1-16): n K blocks per task instead
    * (docs/CONFIG.md; a measurement's control and the tests' other sizes) */
   const char *tk = getenv("MEGAMOE_SM90_PREFILL_TASK_KB");
-  if (tk && atoi(tk) >= 1 && atoi(tk) <= MM_SM90_PREFILL_TASK_KB_MAX) q.task_kb = atoi(tk);
+  const int want = tk ? atoi(tk) : 0;
+  if (want >= 1 && want <= MM_SM90_PREFILL_TASK_KB_MAX) q.task_kb = want;
   MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, q, ta, ts, tb, tw, tah, tq));
   return NULL;
 }
