@@ -91,7 +91,7 @@ extern "C" {
 #endif
 
 #define MEGAMOE_ABI_MAJOR 1
-#define MEGAMOE_ABI_MINOR 2
+#define MEGAMOE_ABI_MINOR 3
 
 #if defined(__GNUC__) || defined(__clang__)
 #define MEGAMOE_EXPORT __attribute__((visibility("default")))
@@ -415,11 +415,23 @@ typedef struct megamoe_op_info_args {
   double last_combine_us;
   int64_t last_dispatch_bytes;
   int64_t last_combine_bytes;
+  /* 1.3: the numerics of the prepared layers, so that a host can tell how
+   * close to exact the op is (NULL and -1 before the first prepare).
+   * weight_mode: "reference" (cpu-reference backend), or the cuda backend's
+   * weight mode: "g32-fp8", "g16-bf16-exact", "g16-fp8", "g32-f16-exact"
+   * (docs/LAYOUTS.md, "Weight modes"); lives as long as the op.
+   * error_bound: the documented bound on the layer output's relative error
+   * (Frobenius) against the cpu-reference backend on the same checkpoint and
+   * inputs; 0 for that backend itself. */
+  const char *weight_mode;
+  double error_bound;
 } megamoe_op_info_args;
 #define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0 \
   MEGAMOE_STRUCT_SIZE(megamoe_op_info_args, planned_tokens)
-#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE \
+#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_1 \
   MEGAMOE_STRUCT_SIZE(megamoe_op_info_args, last_combine_bytes)
+#define MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE \
+  MEGAMOE_STRUCT_SIZE(megamoe_op_info_args, error_bound)
 
 /*
  * The op table. Static storage in the plugin; valid until unload.

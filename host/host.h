@@ -24,7 +24,7 @@ typedef struct {
   int read_ahead; /* 1: read layer l + 1 while layer l is prepared */
   const char *dump_check; /* --dump-check FILE: the checked tokens, for scripts/layer_oracle.py */
   int tokens[MAX_TOKEN_SIZES], num_tokens;
-  double tolerance;
+  double tolerance; /* --tolerance; < 0: each rank's check_tolerance */
   megamoe_kv sets[MAX_SETS];
   int num_sets;
   /* multi-process mode (--rendezvous): this process runs rank `rank` only */
@@ -61,6 +61,10 @@ typedef struct {
   int H, K, E;
   /* results */
   int ok;
+  /* the prepared op's numerics (get_info, ABI 1.3; "" and -1 from an older
+   * plugin) and the tolerance its check uses (check_tolerance) */
+  char weight_mode[32];
+  double error_bound, tolerance;
   double prepare_s, load_bytes;
   uint64_t plan_device_bytes;
   double median_ms[MAX_TOKEN_SIZES];
@@ -71,6 +75,11 @@ typedef struct {
   float *weights;
 } rank_work;
 
+/* The reference check's tolerance for an op whose error bound is
+ * error_bound (< 0: unknown): --tolerance when given, else the larger of
+ * 0.02 and the bound, so that a lossy weight mode (g16-fp8: 0.1) is held to
+ * what it promises rather than failed for it. */
+double check_tolerance(double error_bound);
 /* Runs create, prepare (every layer), plan, the timed executes and destroy
  * for one rank; sets w->ok. A uv_thread entry point. */
 void rank_main(void *arg);
@@ -114,6 +123,7 @@ void ref_close(host_ref *ref);
 typedef struct {
   int pass;
   double rel_err; /* NAN when not checked */
+  double tolerance;
   double prepare_s;
   uint64_t plan_bytes;
   double median_ms[MAX_TOKEN_SIZES];

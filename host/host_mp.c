@@ -104,7 +104,7 @@ int mp_connect(void) {
   if (!err) err = mm_kv_barrier_new(g_client, NS, opt.rank, opt.world, tmo, &g_barrier);
   if (!err) { /* should this process die, its result is a FAIL */
     char key[64], val[1024];
-    host_result fail = {.pass = 0, .rel_err = NAN};
+    host_result fail = {.pass = 0, .rel_err = NAN, .tolerance = check_tolerance(-1)};
     snprintf(key, sizeof key, "%s/result/%d", NS, opt.rank);
     int n = format_result(val, sizeof val, &fail);
     err = mm_kv_client_add_will(g_client, key, val, n > 0 && n < 1024 ? (size_t)n : 0);
@@ -123,8 +123,9 @@ int mp_connect(void) {
 
 /* ---- results ---------------------------------------------------------------------- */
 static int format_result(char *buf, size_t cap, const host_result *r) {
-  int n = snprintf(buf, cap, "%d %.17g %.17g %llu %.17g %d", r->pass, r->rel_err, r->prepare_s,
-                   (unsigned long long)r->plan_bytes, r->wall_s, opt.num_tokens);
+  int n = snprintf(buf, cap, "%d %.17g %.17g %.17g %llu %.17g %d", r->pass, r->rel_err,
+                   r->tolerance, r->prepare_s, (unsigned long long)r->plan_bytes, r->wall_s,
+                   opt.num_tokens);
   for (int i = 0; i < opt.num_tokens && n > 0 && (size_t)n < cap; i++)
     n += snprintf(buf + n, cap - (size_t)n, " %.17g", r->median_ms[i]);
   return n;
@@ -134,6 +135,7 @@ static int parse_result(const char *s, host_result *r) {
   memset(r, 0, sizeof *r);
   r->pass = (int)strtol(s, &end, 10);
   r->rel_err = strtod(end, &end);
+  r->tolerance = strtod(end, &end);
   r->prepare_s = strtod(end, &end);
   r->plan_bytes = strtoull(end, &end, 10);
   r->wall_s = strtod(end, &end);
@@ -193,6 +195,7 @@ static host_result gather(void) {
       world.plan_bytes = one.plan_bytes;
     }
     if (one.wall_s > world.wall_s) world.wall_s = one.wall_s;
+    if (one.tolerance > world.tolerance) world.tolerance = one.tolerance;
     for (int i = 0; i < opt.num_tokens; i++)
       if (one.median_ms[i] > world.median_ms[i]) world.median_ms[i] = one.median_ms[i];
   }
@@ -201,7 +204,7 @@ static host_result gather(void) {
 
 /* ---- the run ------------------------------------------------------------------------ */
 int mp_run(const host_setup *su) {
-  host_result mine = {.pass = 0, .rel_err = NAN};
+  host_result mine = {.pass = 0, .rel_err = NAN, .tolerance = check_tolerance(-1)};
   const char *backend = su ? (su->gpus > 0 ? "cuda" : "cpu-reference") : "unknown";
   int layers = su ? su->num_layers : 0;
   rank_work w;
@@ -228,7 +231,8 @@ int mp_run(const host_setup *su) {
     } else if (w.ok) {
       check_failed = 0;
     }
-    mine.pass = w.ok && !check_failed && (opt.check_tokens <= 0 || mine.rel_err <= opt.tolerance);
+    mine.tolerance = w.tolerance;
+    mine.pass = w.ok && !check_failed && (opt.check_tokens <= 0 || mine.rel_err <= mine.tolerance);
     mine.prepare_s = w.prepare_s;
     mine.plan_bytes = w.plan_device_bytes;
     memcpy(mine.median_ms, w.median_ms, sizeof mine.median_ms);

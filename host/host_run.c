@@ -143,6 +143,32 @@ void init_rank(rank_work *w, const host_setup *su, int r, int device) {
   w->H = su->H;
   w->K = su->K;
   w->E = su->E;
+  w->error_bound = -1;
+  w->tolerance = check_tolerance(-1);
+}
+
+double check_tolerance(double error_bound) {
+  if (opt.tolerance >= 0) return opt.tolerance;
+  return error_bound > 2e-2 ? error_bound : 2e-2;
+}
+
+/* The prepared op's weight mode and error bound (ABI 1.3), and so the
+ * tolerance of the rank's check; rank 0 says which. */
+static void read_numerics(megamoe_op *op, rank_work *w) {
+  megamoe_op_info_args info;
+  memset(&info, 0, sizeof info);
+  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
+  info.op = op;
+  info.error_bound = -1; /* an older plugin leaves both */
+  megamoe_error *e = g_api->get_info(&info);
+  if (e) megamoe_error_destroy(e);
+  snprintf(w->weight_mode, sizeof w->weight_mode, "%s", !e && info.weight_mode ? info.weight_mode : "");
+  w->error_bound = e ? -1 : info.error_bound;
+  w->tolerance = check_tolerance(w->error_bound);
+  if (w->rank == 0 && opt.check_tokens > 0)
+    fprintf(stderr, "megamoe-host: weight mode %s, error bound %.3g; the check's tolerance %.3g%s\n",
+            w->weight_mode[0] ? w->weight_mode : "(not reported)", w->error_bound, w->tolerance,
+            opt.tolerance >= 0 ? " (--tolerance)" : "");
 }
 
 static void make_inputs(rank_work *w, int T) {
@@ -309,6 +335,7 @@ void rank_main(void *arg) {
       next = host_layer_read(w->ck, w->layers[l + 1], first, n);
   }
   w->prepare_s = now_s() - t0;
+  read_numerics(op, w);
   int Tmax = 0;
   for (int i = 0; i < opt.num_tokens; i++) Tmax = opt.tokens[i] > Tmax ? opt.tokens[i] : Tmax;
   int check_ti = 0;
@@ -572,7 +599,7 @@ void print_result(const host_result *r, int rank, const char *backend, int world
   printf("megamoe-host: %s", r->pass ? "PASS" : "FAIL");
   if (rank >= 0) printf(" rank=%d", rank);
   printf(" backend=%s world=%d layers=%d", backend, world, layers);
-  if (opt.check_tokens > 0) printf(" rel_err=%.3g (tol %.3g)", r->rel_err, opt.tolerance);
+  if (opt.check_tokens > 0) printf(" rel_err=%.3g (tol %.3g)", r->rel_err, r->tolerance);
   printf(" prepare=%.2fs plan=%.1fMiB", r->prepare_s, (double)r->plan_bytes / 1048576.0);
   for (int i = 0; i < opt.num_tokens; i++)
     printf(" T%d=%.3fms/layer", opt.tokens[i], r->median_ms[i]);

@@ -74,6 +74,11 @@ typedef struct mm_backend_ops {
   int (*requants_itself)(mm_op *op);
   mm_err *(*prepare_layer_requant)(mm_op *op, int layer, mm_expert_q *experts, int num_local,
                                    mm_requant_stats *stats, void *stream);
+  /* The prepared layers' numerics (get_info, ABI 1.3), called once a layer
+   * is prepared (op->resolved_gran_k set): the weight mode's name (static
+   * storage) and its bound on the output's relative error against the
+   * cpu-reference backend. */
+  void (*numerics)(const mm_op *op, const char **weight_mode, double *error_bound);
 } mm_backend_ops;
 
 

@@ -76,6 +76,14 @@ static mm_err *cpu_execute(mm_op *op, int layer, const mm_exec_io *io) {
 
 static void cpu_destroy(mm_op *op) {}
 
+/* The reference itself: the weights as the checkpoint holds them (or
+ * requantized), products and sums in float64. */
+static void cpu_numerics(const mm_op *op, const char **weight_mode, double *error_bound) {
+  (void)op;
+  *weight_mode = "reference";
+  *error_bound = 0;
+}
+
 const mm_backend_ops mm_backend_cpu = {
     .name = "cpu-reference",
     .init = cpu_init,
@@ -87,4 +95,5 @@ const mm_backend_ops mm_backend_cpu = {
     .check = NULL, /* synchronous: errors are returned by execute itself */
     .requants_itself = cpu_requants_itself,
     .prepare_layer_requant = cpu_prepare_layer_requant,
+    .numerics = cpu_numerics,
 };

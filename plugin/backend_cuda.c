@@ -399,8 +399,17 @@ static void cuda_last_step(mm_op *op, mm_step_stats *out) {
   mm_ep_engine_step_bytes(s->engine, &out->dispatch_bytes, &out->combine_bytes);
 }
 
+/* The weight mode prepare chose for the op's gran-k (after requant), and
+ * that mode's bound (plugin/mode_choice.c). */
+static void cuda_numerics(const mm_op *op, const char **weight_mode, double *error_bound) {
+  const mm_weight_mode m = mm_cuda_weight_mode(op->resolved_gran_k, op->cfg.compute_mode,
+                                               op->cfg.compute_max_rel_error);
+  *weight_mode = mm_weight_mode_name(m);
+  *error_bound = mm_mode_error_bound(m);
+}
+
 const mm_backend_ops mm_backend_cuda = {
     "cuda", cuda_init, cuda_prepare_layer, cuda_plan, cuda_execute, cuda_destroy,
     cuda_release_layer, mm_cuda_check, cuda_last_step, cuda_refuse_step,
-    cuda_requants_itself, cuda_prepare_layer_requant,
+    cuda_requants_itself, cuda_prepare_layer_requant, cuda_numerics,
 };

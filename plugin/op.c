@@ -499,7 +499,7 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
   for (int l = 0; l < op->num_layer_slots; l++) ready += op->layers[l].ready;
   args->num_layers_ready = ready;
   args->planned_tokens = op->planned_tokens;
-  if (args->struct_size >= MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE) { /* 1.1 */
+  if (args->struct_size >= MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_1) {
     mm_step_stats st = {-1, -1, -1, -1, -1};
     if (op->backend->last_step && op->state == MM_OP_PLANNED) op->backend->last_step(op, &st);
     args->last_dispatch_us = st.dispatch_us;
@@ -507,6 +507,12 @@ static megamoe_error *op_get_info(megamoe_op_info_args *args) {
     args->last_combine_us = st.combine_us;
     args->last_dispatch_bytes = st.dispatch_bytes;
     args->last_combine_bytes = st.combine_bytes;
+  }
+  if (args->struct_size >= MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE) { /* 1.3 */
+    args->weight_mode = NULL;
+    args->error_bound = -1;
+    if (op->resolved_gran_k && op->backend->numerics)
+      op->backend->numerics(op, &args->weight_mode, &args->error_bound);
   }
   return NULL;
 }

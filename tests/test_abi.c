@@ -128,6 +128,9 @@ static void test_lifecycle_matches_reference(void) {
   CHECK_ERR(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION); /* before plan */
   CHECK_OK(mmfx_plan(op, 64));
   CHECK_ERR(mmfx_execute_io(op, 0, &io), MEGAMOE_CODE_FAILED_PRECONDITION); /* no weights yet */
+  megamoe_op_info_args before;
+  CHECK_OK(mmfx_info(op, &before)); /* ABI 1.3 numerics: none before a layer is prepared */
+  CHECK(before.weight_mode == NULL && before.error_bound == -1);
   CHECK_ERR(mmfx_prepare(op, 0, mmfx_nt, MMFX_NT - 12), MEGAMOE_CODE_NOT_FOUND); /* expert 3 missing */
   CHECK_OK(mmfx_prepare(op, 0, mmfx_nt, MMFX_NT));
   CHECK_OK(mmfx_prepare(op, 5, mmfx_nt, MMFX_NT)); /* layers are independent slots */
@@ -173,6 +176,9 @@ static void test_lifecycle_matches_reference(void) {
   /* ABI 1.1 phase timings: the cpu-reference backend has none (-1) */
   CHECK(info.last_dispatch_us == -1 && info.last_compute_us == -1 && info.last_combine_us == -1);
   CHECK(info.last_dispatch_bytes == -1 && info.last_combine_bytes == -1);
+  /* ABI 1.3: the reference backend is the reference */
+  CHECK(info.weight_mode && strcmp(info.weight_mode, "reference") == 0);
+  CHECK(info.error_bound == 0);
   /* a 1.0-sized struct is accepted and its tail (past 1.0) left alone */
   megamoe_op_info_args old;
   memset(&old, 0x5A, sizeof old);
@@ -181,6 +187,16 @@ static void test_lifecycle_matches_reference(void) {
   old.op = op;
   CHECK_OK(mmfx_api->get_info(&old));
   CHECK_EQ_INT(old.num_layers_ready, 2);
+  CHECK(((unsigned char *)&old)[MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0] == 0x5A);
+  CHECK(((unsigned char *)&old)[MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE - 1] == 0x5A);
+  /* a 1.1-sized one gets the phases, and its 1.3 tail is left alone */
+  memset(&old, 0x5A, sizeof old);
+  old.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_1;
+  old.extension = NULL;
+  old.op = op;
+  CHECK_OK(mmfx_api->get_info(&old));
+  CHECK(old.last_combine_bytes == -1);
+  CHECK(((unsigned char *)&old)[MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_1] == 0x5A);
   CHECK(((unsigned char *)&old)[MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE - 1] == 0x5A);
   old.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0 - 4; /* below 1.0: refused */
   CHECK_ERR(mmfx_api->get_info(&old), MEGAMOE_CODE_INVALID_ARGUMENT);
@@ -202,6 +218,30 @@ static void test_lifecycle_matches_reference(void) {
     mm_qmat_free(&ex[e].w13);
     mm_qmat_free(&ex[e].w2);
   }
+}
+
+/* The sizes a host compiled against an older header sends: appending a
+ * field must not move them, so they are pinned (LP64). A struct that grew
+ * keeps its older sizes under _1_0 / _1_1 names. */
+static void test_struct_sizes_pinned(void) {
+#if UINTPTR_MAX == UINT64_MAX
+  CHECK_EQ_INT((int)MEGAMOE_ERROR_STRUCT_SIZE, 40);
+  CHECK_EQ_INT((int)MEGAMOE_HOST_SERVICES_STRUCT_SIZE, 72);
+  CHECK_EQ_INT((int)MEGAMOE_OP_ATTRIBUTES_ARGS_STRUCT_SIZE, 80);
+  CHECK_EQ_INT((int)MEGAMOE_OP_CREATE_ARGS_STRUCT_SIZE, 96);
+  CHECK_EQ_INT((int)MEGAMOE_OP_PREPARE_ARGS_STRUCT_SIZE, 80);
+  CHECK_EQ_INT((int)MEGAMOE_OP_PLAN_ARGS_STRUCT_SIZE, 56);
+  CHECK_EQ_INT((int)MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE_1_0, 72);
+  CHECK_EQ_INT((int)MEGAMOE_OP_EXECUTE_ARGS_STRUCT_SIZE, 76); /* 1.2 */
+  CHECK_EQ_INT((int)MEGAMOE_OP_DESTROY_ARGS_STRUCT_SIZE, 24);
+  CHECK_EQ_INT((int)MEGAMOE_OP_CHECK_ARGS_STRUCT_SIZE, 36);
+  CHECK_EQ_INT((int)MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_0, 68);
+  CHECK_EQ_INT((int)MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE_1_1, 112);
+  CHECK_EQ_INT((int)MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE, 128); /* 1.3 */
+  CHECK_EQ_INT((int)MEGAMOE_OP_API_STRUCT_SIZE, 96);
+  CHECK_EQ_INT((int)MEGAMOE_OP_REGISTRATION_STRUCT_SIZE, 40);
+  CHECK_EQ_INT((int)MEGAMOE_PLUGIN_INIT_ARGS_STRUCT_SIZE, 64);
+#endif
 }
 
 static void test_bad_weights(void) {
@@ -370,6 +410,7 @@ int main(void) {
   mm_test_seed();
   mmfx_make_raw(mm_test_rand_u64);
   mmfx_make_tensors();
+  RUN(test_struct_sizes_pinned);
   RUN(test_negotiation);
   if (!mmfx_api) return mm_test_done();
   RUN(test_create_errors);

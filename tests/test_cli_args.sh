@@ -8,7 +8,7 @@ host=$b/host/megamoe-host
 prep=$b/host/megamoe-prep
 synth=$b/host/megamoe-synth
 plugin=$b/plugin/.libs/libmegamoe_plugin.so
-tap_start 6 "$host" "$prep" "$synth" "$plugin"
+tap_start 7 "$host" "$prep" "$synth" "$plugin"
 # refused PATTERN CMD...: exit code 2 and PATTERN on stderr
 refused() {
   pat=$1
@@ -59,6 +59,19 @@ rc=$?
 st=$?
 [ $st = 0 ] || sed 's/^/# /' "$dir/out" "$dir/err"
 check "--tokens 0,16: the 16-token batch is the one checked" $st
+
+# The check's tolerance: without --tolerance the larger of 0.02 and the
+# bound the op reports (get_info, ABI 1.3; the reference's is 0); with it,
+# the value given, said so.
+grep -q "weight mode reference, error bound 0; the check's tolerance 0.02$" "$dir/err" &&
+  grep -q "rel_err=0 (tol 0.02)" "$dir/out"
+bad=$?
+$run --tokens 16 --tolerance 0 >"$dir/out" 2>"$dir/err"
+rc=$?
+[ $rc = 0 ] && grep -q "error bound 0; the check's tolerance 0 (--tolerance)" "$dir/err" &&
+  grep -q "PASS .* rel_err=0 (tol 0)" "$dir/out" || bad=1
+[ $bad = 0 ] || sed 's/^/# /' "$dir/out" "$dir/err"
+check "the check's tolerance: the op's reported bound, at least 0.02, unless --tolerance" $bad
 
 $run --tokens 0 >"$dir/out" 2>"$dir/err"
 rc=$?
