@@ -61,10 +61,7 @@ typedef struct {
   int H, K, E;
   /* results */
   int ok;
-  /* the prepared op's numerics (get_info, ABI 1.3; "" and -1 from an older
-   * plugin) and the tolerance its check uses (check_tolerance) */
-  char weight_mode[32];
-  double error_bound, tolerance;
+  double tolerance; /* its check's: check_tolerance of the op's error bound */
   double prepare_s, load_bytes;
   uint64_t plan_device_bytes;
   double median_ms[MAX_TOKEN_SIZES];

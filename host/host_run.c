@@ -34,6 +34,18 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* get_info on op; the fields a plugin of an older ABI leaves unwritten
+ * read as unknown: the 1.1 phases -1, the 1.3 weight mode NULL and error
+ * bound -1. */
+static megamoe_error *op_info(megamoe_op *op, megamoe_op_info_args *info) {
+  memset(info, 0, sizeof *info);
+  info->struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
+  info->op = op;
+  info->last_dispatch_us = -1;
+  info->error_bound = -1;
+  return g_api->get_info(info);
+}
+
 /* Device-timed phases of the last layer's execute (ABI 1.1 get_info). */
 typedef struct {
   double d_us, x_us, c_us;
@@ -42,11 +54,7 @@ typedef struct {
 
 static int read_phases(megamoe_op *op, step_phases *p) {
   megamoe_op_info_args info;
-  memset(&info, 0, sizeof info);
-  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info.op = op;
-  info.last_dispatch_us = -1; /* an ABI 1.0 plugin leaves it */
-  megamoe_error *e = g_api->get_info(&info);
+  megamoe_error *e = op_info(op, &info);
   if (e) {
     megamoe_error_destroy(e);
     return 0;
@@ -143,7 +151,6 @@ void init_rank(rank_work *w, const host_setup *su, int r, int device) {
   w->H = su->H;
   w->K = su->K;
   w->E = su->E;
-  w->error_bound = -1;
   w->tolerance = check_tolerance(-1);
 }
 
@@ -156,18 +163,16 @@ double check_tolerance(double error_bound) {
  * tolerance of the rank's check; rank 0 says which. */
 static void read_numerics(megamoe_op *op, rank_work *w) {
   megamoe_op_info_args info;
-  memset(&info, 0, sizeof info);
-  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info.op = op;
-  info.error_bound = -1; /* an older plugin leaves both */
-  megamoe_error *e = g_api->get_info(&info);
-  if (e) megamoe_error_destroy(e);
-  snprintf(w->weight_mode, sizeof w->weight_mode, "%s", !e && info.weight_mode ? info.weight_mode : "");
-  w->error_bound = e ? -1 : info.error_bound;
-  w->tolerance = check_tolerance(w->error_bound);
+  megamoe_error *e = op_info(op, &info);
+  if (e) { /* unknown, as from an older plugin */
+    megamoe_error_destroy(e);
+    info.weight_mode = NULL;
+    info.error_bound = -1;
+  }
+  w->tolerance = check_tolerance(info.error_bound);
   if (w->rank == 0 && opt.check_tokens > 0)
     fprintf(stderr, "megamoe-host: weight mode %s, error bound %.3g; the check's tolerance %.3g%s\n",
-            w->weight_mode[0] ? w->weight_mode : "(not reported)", w->error_bound, w->tolerance,
+            info.weight_mode ? info.weight_mode : "(not reported)", info.error_bound, w->tolerance,
             opt.tolerance >= 0 ? " (--tolerance)" : "");
 }
 
@@ -300,10 +305,7 @@ void rank_main(void *arg) {
   if (report(g_api->create(&ca), "create")) goto fail;
   op = ca.op;
   megamoe_op_info_args info;
-  memset(&info, 0, sizeof info);
-  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info.op = op;
-  if (report(g_api->get_info(&info), "get_info")) goto fail;
+  if (report(op_info(op, &info), "get_info")) goto fail;
   /* Layer l + 1's reads run while layer l is prepared (--read-ahead 1). */
   double t0 = now_s(), waited = 0;
   const int first = info.first_local_expert, n = info.num_local_experts;
@@ -443,10 +445,7 @@ int probe_shapes(int *H, int *K, int *E) {
   ca.num_overrides = (size_t)reference_sets(sets);
   if (report(g_api->create(&ca), "create")) return 1;
   megamoe_op_info_args info;
-  memset(&info, 0, sizeof info);
-  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info.op = ca.op;
-  int bad = report(g_api->get_info(&info), "get_info");
+  int bad = report(op_info(ca.op, &info), "get_info");
   *H = info.hidden_size;
   *K = info.top_k;
   *E = info.num_local_experts; /* ep-size 1: all experts */
@@ -470,10 +469,7 @@ int ref_open(const mm_st_ckpt *ck, int layer0, host_ref **out) {
   if (report(g_api->create(&ca), "reference create")) return 1;
   host_ref *ref = calloc(1, sizeof *ref);
   megamoe_op_info_args info;
-  memset(&info, 0, sizeof info);
-  info.struct_size = MEGAMOE_OP_INFO_ARGS_STRUCT_SIZE;
-  info.op = ca.op;
-  int bad = !ref || report(g_api->get_info(&info), "reference get_info");
+  int bad = !ref || report(op_info(ca.op, &info), "reference get_info");
   if (ref) {
     ref->op = ca.op;
     ref->H = info.hidden_size;
