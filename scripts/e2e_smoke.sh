@@ -9,9 +9,11 @@
 # skipped, and said, where no python3 has numpy).
 #
 # With GPUs: GLM-5 shapes (hidden 6144, expert size 2048, 256 experts, top-8),
-# ep-size = every visible GPU, both requant policies, decode (128 tokens per
-# rank, low-latency dispatch) and prefill (4096 tokens per rank, normal
-# dispatch) in each run.
+# ep-size = every visible GPU, three runs: both requant policies with
+# compute.mode auto (weight modes 2 and 1), and compute.mode fp8 on the
+# group-16 weights (mode 3, whose lossy fold the checks allow its reported
+# bound); decode (128 tokens per rank, low-latency dispatch) and prefill (4096
+# tokens per rank, normal dispatch) in each run.
 # Without a GPU: the cpu-reference backend on one EP8 rank's share of a GLM-5
 # layer (hidden 6144, expert size 2048, 32 experts, top-8), 32 tokens, both
 # requant policies (about 75 s on 2 cores after the build, 2 GB of memory);
@@ -64,22 +66,21 @@ fi
 if [ "$gpus" -gt 0 ]; then
   H=6144 I=2048 E=256 K=8
   tokens=128,4096 iters=5
-  # auto runs both exchange modes in one process: low-latency for the
-  # 128-token decode step, normal for the 4096-token prefill.
-  modes="auto"
+  # requant policy and compute.mode of each run
+  runs=("none auto" "group16-to-group32 auto" "none fp8")
   extra=()
   echo "e2e_smoke: $gpus GPU(s): GLM-5 shapes, ep-size $gpus, $layers layer(s)"
 elif [ "${E2E_CPU_SMALL:-0}" = 1 ]; then
   H=256 I=256 E=16 K=4
   tokens=32 iters=5
-  modes="auto"
+  runs=("none auto" "group16-to-group32 auto")
   extra=(--cpu)
   echo "e2e_smoke: no GPU: small shape on the cpu-reference backend, $layers layer(s)"
 else
   # The reference runs in FP64 on the cores: fewer timed iterations.
   H=6144 I=2048 E=32 K=8
   tokens=32 iters=2
-  modes="auto"
+  runs=("none auto" "group16-to-group32 auto")
   extra=(--cpu)
   echo "e2e_smoke: no GPU: GLM-5 shapes, 32 experts (one EP8 rank's share), on the" \
     "cpu-reference backend, $layers layer(s)"
@@ -105,39 +106,43 @@ oracle_tokens=$([ "$gpus" -gt 0 ] && echo 2 || echo 0)
 
 pass=0 fail=0
 summary=() oracles=()
-for policy in none group16-to-group32; do
-  for mode in $modes; do
-    log=$work/run-$policy-$mode.log
-    rm -f "$work/check-$policy-$mode.safetensors"* # E2E_WORK may hold an earlier run's
-    "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
-      --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
-      --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
-      --set dispatch-mode=$mode --set num-max-tokens-per-rank=4096 --set comm.timeout-ms=60000 \
-      --tokens $tokens --iters $iters --warmup 1 --check-tokens 8 \
-      --dump-check "$work/check-$policy-$mode.safetensors" "${extra[@]}" >"$log" 2>&1
-    rc=$?
-    line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
-    echo "  requant=$policy dispatch=$mode: ${line#megamoe-host: }"
-    # dispatch / compute / combine per token count, device-timed (rank 0)
-    grep '^megamoe-host: rank 0 T[0-9]* phases' "$log" | sed 's/^megamoe-host: /    /'
-    dump=$work/check-$policy-$mode.safetensors
-    [ -e "$dump" ] || dump=$dump.rank0 # several ranks: each wrote its own
-    if [ $rc -eq 0 ] && [ -n "$oracle_py" ]; then
-      oracle_tol=$oracle_tol_cpu
-      if [ "$gpus" -gt 0 ]; then
-        oracle_tol=$(sed -n "s/.*the check's tolerance \([0-9.e+-]*\).*/\1/p" "$log" | head -1)
-        oracle_tol=${oracle_tol:-$oracle_tol_gpu}
-      fi
-      "$oracle_py" "$src/scripts/layer_oracle.py" --checkpoint "$work/ckpt" --dump "$dump" \
-        --requant $policy --tolerance $oracle_tol --tokens $oracle_tokens >"$log.oracle" 2>&1 ||
-        rc=1
-      sed 's/^/    /' "$log.oracle"
-      oracles+=("$(sed -n 's/.*operator rel \([^ ,]*\).*/\1/p' "$log.oracle")")
+# dispatch-mode auto runs both exchange modes in one process: low-latency for
+# the 128-token decode step, normal for the 4096-token prefill.
+for run in "${runs[@]}"; do
+  read -r policy compute <<<"$run"
+  name=$policy-$compute
+  log=$work/run-$name.log
+  rm -f "$work/check-$name.safetensors"* # E2E_WORK may hold an earlier run's
+  "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
+    --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
+    --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
+    --set compute.mode=$compute --set dispatch-mode=auto --set num-max-tokens-per-rank=4096 \
+    --set comm.timeout-ms=60000 --tokens $tokens --iters $iters --warmup 1 --check-tokens 8 \
+    --dump-check "$work/check-$name.safetensors" "${extra[@]}" >"$log" 2>&1
+  rc=$?
+  line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
+  echo "  requant=$policy compute=$compute: ${line#megamoe-host: }"
+  # the weight mode the op chose and the check's tolerance (GPUs)
+  grep "^megamoe-host: weight mode" "$log" | head -1 | sed 's/^megamoe-host: /    /'
+  # dispatch / compute / combine per token count, device-timed (rank 0)
+  grep '^megamoe-host: rank 0 T[0-9]* phases' "$log" | sed 's/^megamoe-host: /    /'
+  dump=$work/check-$name.safetensors
+  [ -e "$dump" ] || dump=$dump.rank0 # several ranks: each wrote its own
+  if [ $rc -eq 0 ] && [ -n "$oracle_py" ]; then
+    oracle_tol=$oracle_tol_cpu
+    if [ "$gpus" -gt 0 ]; then
+      oracle_tol=$(sed -n "s/.*the check's tolerance \([0-9.e+-]*\).*/\1/p" "$log" | head -1)
+      oracle_tol=${oracle_tol:-$oracle_tol_gpu}
     fi
-    if [ $rc -eq 0 ] && [[ $line == *PASS* ]]; then pass=$((pass + 1)); else
-      fail=$((fail + 1)); tail -15 "$log" | sed 's/^/    /'; fi
-    summary+=("$policy/$mode: ${line#megamoe-host: }")
-  done
+    "$oracle_py" "$src/scripts/layer_oracle.py" --checkpoint "$work/ckpt" --dump "$dump" \
+      --requant $policy --tolerance $oracle_tol --tokens $oracle_tokens >"$log.oracle" 2>&1 ||
+      rc=1
+    sed 's/^/    /' "$log.oracle"
+    oracles+=("$(sed -n 's/.*operator rel \([^ ,]*\).*/\1/p' "$log.oracle")")
+  fi
+  if [ $rc -eq 0 ] && [[ $line == *PASS* ]]; then pass=$((pass + 1)); else
+    fail=$((fail + 1)); tail -15 "$log" | sed 's/^/    /'; fi
+  summary+=("$policy/$compute: ${line#megamoe-host: }")
 done
 # One line: verdict, worst error against the reference, per-layer timings.
 worst=$(printf '%s\n' "${summary[@]}" | sed -n 's/.*rel_err=\([^ ]*\).*/\1/p' | sort -g | tail -1)
