@@ -371,7 +371,7 @@ MM_SM90_HD void mm_sm90_prefill_unit(int tiles, int cs, int nt, int small_last, 
  * even loads, 0.8-2.6% on routed ones. 4 in both ran level with it, 12
  * 2-3% slower, 2 up to 2% in mode 1; counts per K group, which let the
  * GEMM start on an expert's first blocks, 13-15% slower (docs/PERF.md,
- * version 44). */
+ * version 44; the waits, not their proxy fences: the fifty-second stop). */
 #define MM_SM90_PREFILL_TASK_KB_MAX 16
 MM_SM90_HD int mm_sm90_prefill_task_kblocks(int kblocks, int row_tiles, int decoders) {
   if (decoders < 1) decoders = 1;
