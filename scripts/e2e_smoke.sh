@@ -111,14 +111,14 @@ summary=() oracles=()
 for run in "${runs[@]}"; do
   read -r policy compute <<<"$run"
   name=$policy-$compute
-  log=$work/run-$name.log
-  rm -f "$work/check-$name.safetensors"* # E2E_WORK may hold an earlier run's
+  log=$work/run-$name.log dump=$work/check-$name.safetensors
+  rm -f "$dump"* # E2E_WORK may hold an earlier run's
   "$host" --plugin "$plugin" --config "$src/conf/megamoe.yaml" --checkpoint "$work/ckpt" \
     --set model.hidden-size=$H --set model.moe-intermediate-size=$I \
     --set model.num-experts=$E --set model.top-k=$K --set requant.policy=$policy \
     --set compute.mode=$compute --set dispatch-mode=auto --set num-max-tokens-per-rank=4096 \
     --set comm.timeout-ms=60000 --tokens $tokens --iters $iters --warmup 1 --check-tokens 8 \
-    --dump-check "$work/check-$name.safetensors" "${extra[@]}" >"$log" 2>&1
+    --dump-check "$dump" "${extra[@]}" >"$log" 2>&1
   rc=$?
   line=$(grep '^megamoe-host: ' "$log" | grep -E 'PASS|FAIL' | tail -1)
   echo "  requant=$policy compute=$compute: ${line#megamoe-host: }"
@@ -126,7 +126,6 @@ for run in "${runs[@]}"; do
   grep "^megamoe-host: weight mode" "$log" | head -1 | sed 's/^megamoe-host: /    /'
   # dispatch / compute / combine per token count, device-timed (rank 0)
   grep '^megamoe-host: rank 0 T[0-9]* phases' "$log" | sed 's/^megamoe-host: /    /'
-  dump=$work/check-$name.safetensors
   [ -e "$dump" ] || dump=$dump.rank0 # several ranks: each wrote its own
   if [ $rc -eq 0 ] && [ -n "$oracle_py" ]; then
     oracle_tol=$oracle_tol_cpu
