@@ -6,13 +6,13 @@
 
 /* Measured on an H200: one EP8 rank of GLM-5 (32 local experts, H 6144,
  * I 2048), bench_moe_compute medians in microseconds (`--profile-only
- * --iters 20`), uniform routing, version 34's kernels and launch rules
- * (version 35's are the same at these three M), mean of two runs. Modes
- * 1, 3 and 4 with per-block references (`--block-refs`), the slower of
- * their two forms (where every row takes the packer's row anchor, modes 1
- * and 3 take the prefill path at M = 32768: mode 3 about 3000 us in the
- * same call).
- * Source: docs/PERF.md, version 35 (call 1). */
+ * --iters 20`), uniform routing, version 44's kernels and launch rules,
+ * mean of two runs. Modes 1, 3 and 4 with per-block references
+ * (`--block-refs`), the slower of their two forms (where every row takes
+ * the packer's row anchor, modes 1 and 3 take the prefill path at
+ * M = 32768: about 2860 and 2950 us in the same machine's issue 4 run).
+ * Source: docs/PERF.md, fifty-fourth stop (.dev/c124); version 35's
+ * table, the one before, picked the same modes. */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
 
@@ -35,10 +35,10 @@ typedef struct mode_row {
 
 /* Indexed by mm_weight_mode (1..4). */
 static const mode_row rows[5] = {
-  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {189.4, 232.8, 3191.3}},
-  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {212.2, 260.5, 4433.5}},
-  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {200.5, 241.9, 3386.1}},
-  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {259.4, 306.9, 4700.0}},
+  [MM_WMODE_G32_FP8] = {MM_MODE1_BOUND, {184.9, 228.4, 3233.2}},
+  [MM_WMODE_G16_BF16_EXACT] = {MM_MODE_EXACT_BOUND, {197.4, 247.2, 4353.2}},
+  [MM_WMODE_G16_FP8] = {MM_MODE3_BOUND, {193.2, 232.9, 3244.6}},
+  [MM_WMODE_G32_F16_EXACT] = {MM_MODE_EXACT_BOUND, {252.8, 303.1, 4745.2}},
 };
 
 static int known(mm_weight_mode m) { return m >= MM_WMODE_G32_FP8 && m <= MM_WMODE_G32_F16_EXACT; }
