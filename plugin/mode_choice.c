@@ -11,7 +11,7 @@
  * (`--block-refs`), the slower of their two forms (where every row takes
  * the packer's row anchor, modes 1 and 3 take the prefill path at
  * M = 32768: about 2860 and 2950 us in the same machine's issue 4 run).
- * Source: docs/PERF.md, fifty-fourth stop (.dev/c124); version 35's
+ * Source: docs/PERF.md, fifty-fourth stop; version 35's
  * table, the one before, picked the same modes. */
 static const int perf_m[MM_MODE_PERF_NUM_M] = {256, 1024, 32768};
 _Static_assert(MM_MODE_PERF_NUM_M == 3, "mm_mode_choice_describe prints three M");
