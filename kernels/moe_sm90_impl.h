@@ -42,8 +42,8 @@ struct mm_sm90_ws {
   float *as_t;     /* [I/128][Mp] intermediate scales, transposed */
   /* The prefill path's (moe_sm90_prefill.cu), where planned
    * (mm_sm90_prefill_planned), else NULL: */
-  uint8_t *wdec;   /* E4M3 weights of mm_sm90_prefill_chunk experts,
-                      [chunk][2I][H] (L1) or [chunk][H][I] (L2) */
+  uint8_t *wdec;   /* E4M3 weights of mm_sm90_prefill_chunk experts, in
+                      [2I][H] (w13) and [H][I] (w2) slots (mm_sm90_prefill_slot) */
   int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes, layout_sm90.h) */
   size_t bytes;
   size_t base_bytes; /* without the prefill path's region */

@@ -107,6 +107,15 @@ struct PfParams {
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
   int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
   int task_kb;       /* K blocks per decode task (mm_sm90_prefill_task_kblocks) */
+  int gemm, chunk;   /* this launch's GEMM and the experts a chunk (mm_sm90_prefill_slot) */
+  /* decode ahead (mm_sm90_prefill_slot): the next launch's GEMM, experts,
+   * matrix and counts, and how many of its first experts' tasks this
+   * launch's decoder warps may claim once their own are done (0: none) */
+  struct {
+    int ahead, gemm, e0, E, N, K, task_kb;
+    size_t mat_off;
+    int *ready;
+  } nx;
 };
 
 template <int GEMM>
@@ -148,7 +157,7 @@ struct PfCfg {
   static_assert(kBytes <= 232448, "shared memory");
   static_assert(MM_SM90_LUT_ENTRIES * 8 <= kLut, "mode 3's fold table");
   static_assert(kStages >= 3, "at least three stages");
-  static_assert(4 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
+  static_assert(5 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
 };
 
 /* the rings' depths on an H200's 227 KB: in 64 x 256 tiles, one stage
@@ -235,7 +244,8 @@ __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
                    const __grid_constant__ CUtensorMap ts, const __grid_constant__ CUtensorMap tb,
                    const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tah,
-                   const __grid_constant__ CUtensorMap tq) {
+                   const __grid_constant__ CUtensorMap tq,
+                   const __grid_constant__ CUtensorMap tw_next) {
   using G = PfCfg<GEMM>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -245,6 +255,7 @@ __global__ void __launch_bounds__(384, 1)
    * 64-row tile */
   int *uoff = (int *)(sm + G::kOffSched), *toff = uoff + kChunk + 1;
   int *rbeg = toff + kChunk + 1, *rend = rbeg + kChunk + 1; /* each expert's pool rows */
+  int *xoff = rend + kChunk + 1; /* the next launch's task prefixes, to its ahead experts */
   const int wg = threadIdx.x / 128, KB = p.K / 128, NT = p.N / G::BN;
   const int groups = (KB + p.task_kb - 1) / p.task_kb, tasks_pe = p.N / 64 * groups;
   uint32_t crank;
@@ -268,6 +279,15 @@ __global__ void __launch_bounds__(384, 1)
       uoff[e + 1] = uoff[e] + mm_sm90_prefill_units((b - a + G::BM - 1) / G::BM, CS, NT,
                                                     small_last(b - a));
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
+    }
+    /* the next launch's first experts' tasks, as that launch counts them */
+    const int nxa = min(p.nx.ahead, p.nx.E);
+    const int nxg = (p.nx.K / 128 + p.nx.task_kb - 1) / max(p.nx.task_kb, 1);
+    xoff[0] = 0;
+    for (int e = 0; e < nxa; e++) {
+      const int a = min(max(p.offsets[p.nx.e0 + e], 0), p.M);
+      const int b = min(max(p.offsets[p.nx.e0 + e + 1], a), p.M);
+      xoff[e + 1] = xoff[e] + (b > a ? p.nx.N / 64 * nxg : 0);
     }
   }
   if (p.mode == 3) { /* the whole fold table */
@@ -322,8 +342,43 @@ __global__ void __launch_bounds__(384, 1)
           const uint8_t *rec = p.w + (size_t)(p.e0 + dcur) * p.expert_bytes + p.mat_off +
                                ((size_t)tile * KB + kb0) * RecFmt<MODE>::kRec;
           decode_record_run<MODE, GEMM == 1>(rec, kb0, min(KB, kb0 + p.task_kb), &tw,
-                                             dcur * p.N + 64 * tile, sm + G::kOffLut, bufs, n);
+                                             mm_sm90_prefill_slot(GEMM, dcur, p.chunk) * p.N +
+                                                 64 * tile,
+                                             sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
+        }
+        /* decode ahead: the next launch's first experts' tasks, claimed
+         * from its counter only below their end (a compare-and-swap: an
+         * add past the end would take a task from that launch) */
+        const int nxa = min(p.nx.ahead, p.nx.E), nkb = p.nx.K / 128;
+        const int ngroups = nxa > 0 ? (nkb + p.nx.task_kb - 1) / p.nx.task_kb : 1;
+        int *const claim = p.nx.ready + p.nx.E;
+        dcur = 0;
+        for (;;) {
+          if (nxa <= 0) break;
+          int t = 0;
+          if (lane == 0) {
+            t = *(volatile int *)claim;
+            while (t < xoff[nxa]) {
+              const int seen = atomicCAS(claim, t, t + 1);
+              if (seen == t) break;
+              t = seen;
+            }
+          }
+          t = __shfl_sync(0xffffffffu, t, 0);
+          if (t >= xoff[nxa]) break;
+          while (xoff[dcur + 1] <= t) dcur++;
+          const int v = t - xoff[dcur], tile = v / ngroups, kb0 = p.nx.task_kb * (v % ngroups);
+          const uint8_t *rec = p.w + (size_t)(p.nx.e0 + dcur) * p.expert_bytes + p.nx.mat_off +
+                               ((size_t)tile * nkb + kb0) * RecFmt<MODE>::kRec;
+          const int wrow = mm_sm90_prefill_slot(p.nx.gemm, dcur, p.chunk) * p.nx.N + 64 * tile;
+          if (MODE == 3 && p.nx.gemm == 1) /* its own K order (decode_record_slot) */
+            decode_record_run<MODE, true>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next, wrow,
+                                          sm + G::kOffLut, bufs, n);
+          else
+            decode_record_run<MODE, false>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next, wrow,
+                                           sm + G::kOffLut, bufs, n);
+          if (lane == 0) atomicAdd(p.nx.ready + dcur, 1);
         }
       };
       if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>());
@@ -350,7 +405,8 @@ __global__ void __launch_bounds__(384, 1)
         const CUtensorMap *tx = rows16 ? &tq : half ? &tah : &ta;
         const uint32_t abytes = rows16 ? 16 * 128 : half ? G::kA / 2 : G::kA;
         for (int ps = 0; ps < G::kPasses; ps++) {
-          const int brow = un.e * p.N + un.nt * G::BN + ps * G::BNP +
+          const int brow = mm_sm90_prefill_slot(GEMM, un.e, p.chunk) * p.N + un.nt * G::BN +
+                           ps * G::BNP +
                            (un.split ? 0 : (int)crank * (G::BNP / CS));
           for (int kb = 0; kb < KB; kb++) {
             mbar_wait(&empty[stage], phase ^ 1);
@@ -868,31 +924,40 @@ mm_err *grid_size(const cudaLaunchConfig_t &cfg, int *ctas) {
   return NULL;
 }
 
+/* A launch's configuration and grid: the kernel's CTAs at once, capped
+ * (tests) to whole clusters, at least one. */
 template <int GEMM, int CS>
-mm_err *launch(const PfParams &p, const CUtensorMap &ta, const CUtensorMap &ts,
-               const CUtensorMap &tb, const CUtensorMap &tw, const CUtensorMap &tah,
-               const CUtensorMap &tq, int max_ctas,
-               cudaStream_t st) {
+mm_err *launch_config(int max_ctas, cudaStream_t st, cudaLaunchConfig_t *cfg,
+                      cudaLaunchAttribute *at) {
   using G = PfCfg<GEMM>;
-  auto kern = prefill_kernel<GEMM, CS>;
   /* per call: a function attribute belongs to one device's context */
-  MM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute at;
-  cluster_launch_config(&cfg, &at, CS, 384, G::kBytes, st);
+  MM_CUDA_TRY(cudaFuncSetAttribute(prefill_kernel<GEMM, CS>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, G::kBytes));
+  cluster_launch_config(cfg, at, CS, 384, G::kBytes, st);
   int ctas = 0;
-  MM_TRY((grid_size<GEMM, CS>(cfg, &ctas)));
-  /* a cap (tests): whole clusters, at least one */
+  MM_TRY((grid_size<GEMM, CS>(*cfg, &ctas)));
   if (max_ctas > 0 && max_ctas < ctas) ctas = max_ctas < CS ? CS : max_ctas / CS * CS;
-  cfg.gridDim = dim3(ctas);
-  PfParams q = p; /* tasks for the launch's decoder warps: 3 a CTA */
-  q.task_kb = mm_sm90_prefill_task_kblocks(p.K / 128, p.N / 64, 3 * ctas);
-  /* MEGAMOE_SM90_PREFILL_TASK_KB=n (1-16): n K blocks per task instead
-   * (docs/CONFIG.md; a measurement's control and the tests' other sizes) */
+  cfg->gridDim = dim3(ctas);
+  return NULL;
+}
+
+/* K blocks per decode task of a matrix of K columns and N rows for a grid
+ * of ctas CTAs (3 decoder warps a CTA); MEGAMOE_SM90_PREFILL_TASK_KB=n
+ * (1-16): n instead (docs/CONFIG.md; a measurement's control and the
+ * tests' other sizes). */
+int task_kblocks(int N, int K, int ctas) {
   const char *tk = getenv("MEGAMOE_SM90_PREFILL_TASK_KB");
   const int want = tk ? atoi(tk) : 0;
-  if (want >= 1 && want <= MM_SM90_PREFILL_TASK_KB_MAX) q.task_kb = want;
-  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, q, ta, ts, tb, tw, tah, tq));
+  if (want >= 1 && want <= MM_SM90_PREFILL_TASK_KB_MAX) return want;
+  return mm_sm90_prefill_task_kblocks(K / 128, N / 64, 3 * ctas);
+}
+
+template <int GEMM, int CS>
+mm_err *launch(const PfParams &p, cudaLaunchConfig_t cfg, const CUtensorMap &ta,
+               const CUtensorMap &ts, const CUtensorMap &tb, const CUtensorMap &tw,
+               const CUtensorMap &tah, const CUtensorMap &tq, const CUtensorMap &tw_next) {
+  MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, prefill_kernel<GEMM, CS>, p, ta, ts, tb, tw, tah, tq,
+                                 tw_next));
   return NULL;
 }
 
@@ -940,14 +1005,14 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
                   C2::kScaleBox, 1, false));
   /* the weight tiles' copies (1 / kClusterSize of their rows per CTA) and
    * the decode's tensor stores (32 x 128 tiles) */
-  MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
+  /* (the w2 slots reach past the w13 ones: mm_sm90_prefill_slot) */
+  const uint64_t rows13 = (uint64_t)ec * 2 * I, rows2 = (uint64_t)(2 * ec + MM_SM90_PREFILL_AHEAD_MAX) * H;
+  MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, rows13, H, 128,
                   C1::BNP / kClusterSize, true));
-  MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128,
+  MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, rows2, I, 128,
                   C2::BNP / kClusterSize, true));
-  MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, (uint64_t)ec * 2 * I, H, 128,
-                  32, true));
-  MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, (uint64_t)ec * H, I, 128, 32,
-                  true));
+  MM_TRY(make_map(&ww1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, rows13, H, 128, 32, true));
+  MM_TRY(make_map(&ww2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, rows2, I, 128, 32, true));
 
   PfParams p;
   memset(&p, 0, sizeof(p));
@@ -970,23 +1035,55 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
    * (docs/CONFIG.md; a measurement's control) */
   const char *nv = getenv("MEGAMOE_SM90_PREFILL_NARROW");
   p.narrow = !(nv && nv[0] == '0');
-  for (int ch = 0; ch < chunks; ch++) {
-    p.e0 = ch * chunk;
-    p.E = L->E - p.e0 < chunk ? L->E - p.e0 : chunk;
-    /* L1 */
-    p.mat_off = 0;
-    p.rs = L->d_rs13;
-    p.N = 2 * I;
-    p.K = H;
-    p.ready = ws->pf_count + (2 * ch) * (kChunk + 1);
-    MM_TRY((launch<1, kClusterSize>(p, x1, s1, wb1, ww1, x1h, x1q, max_ctas, st)));
-    /* L2, into the same workspace once L1 is done with it */
-    p.mat_off = L->w13_bytes;
-    p.rs = L->d_rs2;
-    p.N = H;
-    p.K = I;
-    p.ready = ws->pf_count + (2 * ch + 1) * (kChunk + 1);
-    MM_TRY((launch<2, kClusterSize>(p, x2, s2, wb2, ww2, x2h, x2q, max_ctas, st)));
+  p.chunk = chunk;
+  /* MEGAMOE_SM90_PREFILL_AHEAD=n (0-2): decode n of the next launch's
+   * first experts ahead (docs/CONFIG.md; 0: none, a measurement's control) */
+  const char *av = getenv("MEGAMOE_SM90_PREFILL_AHEAD");
+  const int ahead = av && av[0] >= '0' && av[0] <= '0' + MM_SM90_PREFILL_AHEAD_MAX && !av[1]
+                        ? av[0] - '0'
+                        : MM_SM90_PREFILL_AHEAD_MAX;
+  cudaLaunchConfig_t cfg1, cfg2;
+  cudaLaunchAttribute at1, at2;
+  MM_TRY((launch_config<1, kClusterSize>(max_ctas, st, &cfg1, &at1)));
+  MM_TRY((launch_config<2, kClusterSize>(max_ctas, st, &cfg2, &at2)));
+  const int kb1 = task_kblocks(2 * I, H, (int)cfg1.gridDim.x),
+            kb2 = task_kblocks(H, I, (int)cfg2.gridDim.x);
+  /* launch j (L1 of chunk j / 2, or its L2): its GEMM's fields of p */
+  auto launch_fields = [&](int j, PfParams &q) {
+    const int g1 = j % 2 == 0;
+    q.gemm = g1 ? 1 : 2;
+    q.e0 = j / 2 * chunk;
+    q.E = L->E - q.e0 < chunk ? L->E - q.e0 : chunk;
+    q.mat_off = g1 ? 0 : L->w13_bytes;
+    q.rs = g1 ? L->d_rs13 : L->d_rs2;
+    q.N = g1 ? 2 * I : H;
+    q.K = g1 ? H : I;
+    q.task_kb = g1 ? kb1 : kb2;
+    q.ready = ws->pf_count + j * (kChunk + 1);
+  };
+  for (int j = 0; j < 2 * chunks; j++) {
+    launch_fields(j, p);
+    memset(&p.nx, 0, sizeof(p.nx));
+    if (j + 1 < 2 * chunks) {
+      PfParams n = p;
+      launch_fields(j + 1, n);
+      const int most = mm_sm90_prefill_ahead_max(n.gemm, chunk);
+      p.nx.ahead = ahead < most ? ahead : most;
+      p.nx.gemm = n.gemm;
+      p.nx.e0 = n.e0;
+      p.nx.E = n.E;
+      p.nx.N = n.N;
+      p.nx.K = n.K;
+      p.nx.task_kb = n.task_kb;
+      p.nx.mat_off = n.mat_off;
+      p.nx.ready = n.ready;
+    }
+    /* L1, then L2 into w2's slots, which the next chunk's L1 does not
+     * overwrite before this L2 is done (stream order) */
+    if (p.gemm == 1)
+      MM_TRY((launch<1, kClusterSize>(p, cfg1, x1, s1, wb1, ww1, x1h, x1q, ww2)));
+    else
+      MM_TRY((launch<2, kClusterSize>(p, cfg2, x2, s2, wb2, ww2, x2h, x2q, ww1)));
   }
   return NULL;
 }

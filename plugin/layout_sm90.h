@@ -290,12 +290,37 @@ MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
  * tokens per rank stays at 1.34 GiB per rank (1.71 with 32; docs/PERF.md,
  * version 22). */
 #define MM_SM90_PREFILL_EXPERTS_DEFAULT 16
+/* Decode ahead: once a launch's decoder warps have claimed all of its own
+ * decode tasks, they take those of the next launch's first experts (at most
+ * MM_SM90_PREFILL_AHEAD_MAX), so that the next launch starts on decoded
+ * weights instead of every CTA waiting for its first expert. The slots
+ * below keep what they write clear of what the running launch reads. */
+#define MM_SM90_PREFILL_AHEAD_MAX 2
+/* Where expert e (of a launch's chunk) keeps its decoded matrix in the
+ * region, in slots of that matrix's size: w13 (2 I x H bytes) in slot
+ * (e + ceil(chunk / 2)) % chunk, so that the first chunk / 2 experts sit
+ * in the region's upper half, which no w2 slot overlaps (an L2 launch
+ * decodes the next chunk's first w13 matrices there); w2 (I x H bytes, half
+ * a w13 slot) in slot e, below that half, except experts below
+ * MM_SM90_PREFILL_AHEAD_MAX, in slots 2 chunk + e past the w13 slots (an L1
+ * launch, reading every w13 slot, decodes them). */
+MM_SM90_HD int mm_sm90_prefill_slot(int gemm, int e, int chunk) {
+  if (gemm == 1) return (e + (chunk + 1) / 2) % chunk;
+  return e < MM_SM90_PREFILL_AHEAD_MAX ? 2 * chunk + e : e;
+}
+/* How many of the next launch's experts a launch may decode ahead into
+ * free slots (next_gemm: the next launch's GEMM). */
+MM_SM90_HD int mm_sm90_prefill_ahead_max(int next_gemm, int chunk) {
+  return next_gemm == 1 ? chunk / 2 : MM_SM90_PREFILL_AHEAD_MAX;
+}
 /* The path's region after the plan's arrays, for E local experts, `chunk`
  * (1..MM_SM90_PREFILL_CHUNK) of them per launch pair: their decoded E4M3
- * weights (the larger matrix, 2 I x H bytes each) and, per launch (two per
- * chunk), a finished-task count per expert and a claim counter. */
+ * weights (the w13 slots, 2 I x H bytes each, and the w2 slots past them,
+ * I x H bytes each: mm_sm90_prefill_slot) and, per launch (two per chunk),
+ * a finished-task count per expert and a claim counter. */
 MM_SM90_HD size_t mm_sm90_prefill_weight_bytes(int H, int I, int chunk) {
-  return mm_sm90_align256((size_t)chunk * 2 * (size_t)I * (size_t)H);
+  return mm_sm90_align256(((size_t)chunk * 2 + MM_SM90_PREFILL_AHEAD_MAX) * (size_t)I *
+                          (size_t)H);
 }
 MM_SM90_HD size_t mm_sm90_prefill_count_bytes(int E, int chunk) {
   const int chunks = (E + chunk - 1) / chunk;

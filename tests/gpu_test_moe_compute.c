@@ -1002,10 +1002,11 @@ static void count_diff(const uint16_t *got, const uint16_t *ref, size_t n, size_
  * region and computes the same bits; a layer with the path turned off
  * plans no region and refuses the forced path. */
 static void test_prefill_workspace(void) {
-  mm_expert_q ex;
-  memset(&ex, 0, sizeof(ex));
-  make_expert(&ex, 256, 128, MM_WMODE_G32_FP8, 0, 1); /* exact data: one reference per row */
-  const mm_expert_q exs[3] = {ex, ex, ex};
+  /* exact data: one reference per row; three different experts, so that
+   * an expert's weights read from another's slot show */
+  mm_expert_q exs[3];
+  memset(exs, 0, sizeof(exs));
+  for (int e = 0; e < 3; e++) make_expert(&exs[e], 256, 128, MM_WMODE_G32_FP8, 0, 1);
   mm_sm90_layer *L = NULL;
   CHECK_OK(mm_sm90_layer_create(exs, 3, MM_WMODE_G32_FP8, NULL, &L));
   const int M = 70, H = 256, I = 128;
@@ -1047,18 +1048,25 @@ static void test_prefill_workspace(void) {
             MEGAMOE_CODE_INVALID_ARGUMENT);
   CHECK_ERR(mm_sm90_expert_compute(L, &pool, 0.0f, d_ws, least - 1, NULL),
             MEGAMOE_CODE_INVALID_ARGUMENT);
-  /* one expert per launch pair: three launch pairs in a third of the
-   * weight region, the same bits */
-  mm_sm90_layer_set_prefill(L, 1, 1);
-  const size_t one = mm_sm90_workspace_bytes(L, M);
-  printf("# one expert per launch pair: %zu bytes\n", one);
-  CHECK(one < full && one >= least + (size_t)2 * I * H);
-  CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
-  fetch_out(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, one, NULL, MM_SM90_PATH_PREFILL),
-            d_out, got, out_bytes);
-  count_diff(got, ref, (size_t)M * H, &nan, &diff);
-  CHECK_EQ_INT(nan, 0);
-  CHECK_EQ_INT(diff, 0);
+  /* one and two experts per launch pair: three and two launch pairs in a
+   * smaller weight region, the same bits. With one, no launch decodes
+   * ahead into w13 slots (none is free while a w2 launch runs) and every
+   * L1 launch decodes its pair's w2 ahead; with two, an L2 launch decodes
+   * the next pair's first w13 ahead, and the last pair has one expert
+   * (mm_sm90_prefill_slot). */
+  for (int per = 1; per <= 2; per++) {
+    mm_sm90_layer_set_prefill(L, 1, per);
+    const size_t part = mm_sm90_workspace_bytes(L, M);
+    printf("# %d expert(s) per launch pair: %zu bytes\n", per, part);
+    CHECK(part < full && part >= least + (size_t)2 * per * I * H);
+    CUDA_OK(cudaMemset(d_out, 0xFF, out_bytes));
+    CUDA_OK(cudaMemset(d_ws, 0xFF, part));
+    fetch_out(mm_sm90_expert_compute_path(L, &pool, 0.0f, d_ws, part, NULL, MM_SM90_PATH_PREFILL),
+              d_out, got, out_bytes);
+    count_diff(got, ref, (size_t)M * H, &nan, &diff);
+    CHECK_EQ_INT(nan, 0);
+    CHECK_EQ_INT(diff, 0);
+  }
   /* turned off (compute.prefill-path: off) */
   mm_sm90_layer_set_prefill(L, 0, 0);
   CHECK_EQ_INT(mm_sm90_workspace_bytes(L, M), least);
@@ -1070,8 +1078,10 @@ done:
   free(ref);
   dev_pool_free(&dp);
   mm_sm90_layer_destroy(L);
-  mm_qmat_free(&ex.w13);
-  mm_qmat_free(&ex.w2);
+  for (int e = 0; e < 3; e++) {
+    mm_qmat_free(&exs[e].w13);
+    mm_qmat_free(&exs[e].w2);
+  }
 }
 
 /* The prefill path's threshold per mode (mm_sm90_prefill_min_rows): a
