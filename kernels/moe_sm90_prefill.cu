@@ -104,10 +104,12 @@ struct PfParams {
   /* L2 */
   uint16_t *out;     /* [M][N] BF16 */
   const int32_t *out_rows;
-  int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed */
+  int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed;
+                      * [kChunk + 1]: tasks claimed by the previous launch (decode ahead) */
   int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
   int task_kb;       /* K blocks per decode task (mm_sm90_prefill_task_kblocks) */
   int gemm, chunk;   /* this launch's GEMM and the experts a chunk (mm_sm90_prefill_slot) */
+  int pre;           /* its first experts whose tasks the previous launch decoded */
   /* decode ahead (mm_sm90_prefill_slot): the next launch's GEMM, experts,
    * matrix and counts, and how many of its first experts' tasks this
    * launch's decoder warps may claim once their own are done (0: none) */
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(384, 1)
     /* the next launch's tasks, as that launch counts them */
     const int nxg = (p.nx.K / 128 + p.nx.task_kb - 1) / max(p.nx.task_kb, 1);
     xoff[0] = 0;
-    for (int e = 0; e < (p.nx.ahead > 0 ? p.nx.E : 0); e++) {
+    for (int e = 0; e < min(p.nx.ahead, p.nx.E); e++) {
       const int a = min(max(p.offsets[p.nx.e0 + e], 0), p.M);
       const int b = min(max(p.offsets[p.nx.e0 + e + 1], a), p.M);
       xoff[e + 1] = xoff[e] + (b > a ? p.nx.N / 64 * nxg : 0);
@@ -333,7 +335,7 @@ __global__ void __launch_bounds__(384, 1)
         int n = 0, dcur = 0;
         for (;;) {
           int t = 0;
-          if (lane == 0) t = atomicAdd(p.ready + p.E, 1);
+          if (lane == 0) t = toff[min(p.pre, p.E)] + atomicAdd(p.ready + p.E, 1);
           t = __shfl_sync(0xffffffffu, t, 0);
           if (t >= toff[p.E]) break;
           while (toff[dcur + 1] <= t) dcur++;
@@ -346,22 +348,22 @@ __global__ void __launch_bounds__(384, 1)
                                              sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.ready + dcur, 1);
         }
-        /* decode ahead: the next launch's tasks from its own counter,
-         * while they belong to its first nx.ahead experts. A warp decodes
-         * every task it claims (the next launch's decoders skip it), so
-         * the last claims run at most one task a warp past those experts.
-         * (A compare-and-swap that claimed below their end only ran every
-         * launch 11-18% slower on an H100: all decoder warps reach it at
-         * once, when their own tasks run out.) */
+        /* decode ahead: the next launch's first nx.ahead experts' tasks,
+         * from a counter of their own (that launch's decoders start past
+         * them: PfParams::pre). Every warp claims until the counter passes
+         * their end, so all of them are done before this launch ends. (A
+         * compare-and-swap on that launch's own counter, bounded at their
+         * end, ran every launch 11-18% slower on an H100: all decoder warps
+         * reach it at once, when their own tasks run out.) */
         const int nxa = min(p.nx.ahead, p.nx.E), nkb = p.nx.K / 128;
         const int ngroups = nxa > 0 ? (nkb + p.nx.task_kb - 1) / p.nx.task_kb : 1;
         dcur = 0;
         for (;;) {
           if (nxa <= 0) break;
           int t = 0;
-          if (lane == 0) t = atomicAdd(p.nx.ready + p.nx.E, 1);
+          if (lane == 0) t = atomicAdd(p.nx.ready + kChunk + 1, 1);
           t = __shfl_sync(0xffffffffu, t, 0);
-          if (t >= xoff[p.nx.E]) break;
+          if (t >= xoff[nxa]) break;
           while (xoff[dcur + 1] <= t) dcur++;
           const int v = t - xoff[dcur], tile = v / ngroups, kb0 = p.nx.task_kb * (v % ngroups);
           const uint8_t *rec = p.w + (size_t)(p.nx.e0 + dcur) * p.expert_bytes + p.nx.mat_off +
@@ -374,7 +376,6 @@ __global__ void __launch_bounds__(384, 1)
             decode_record_run<MODE, false>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next, wrow,
                                            sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.nx.ready + dcur, 1);
-          if (t >= xoff[nxa]) break; /* past the first experts: done */
         }
       };
       if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>());
@@ -1055,10 +1056,11 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
     q.N = g1 ? 2 * I : H;
     q.K = g1 ? H : I;
     q.task_kb = g1 ? kb1 : kb2;
-    q.ready = ws->pf_count + j * (kChunk + 1);
+    q.ready = ws->pf_count + j * (kChunk + 2);
   };
   for (int j = 0; j < 2 * chunks; j++) {
     launch_fields(j, p);
+    p.pre = p.nx.ahead; /* the previous launch's (0 before the first) */
     memset(&p.nx, 0, sizeof(p.nx));
     if (j + 1 < 2 * chunks) {
       PfParams n = p;

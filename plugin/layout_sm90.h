@@ -317,14 +317,15 @@ MM_SM90_HD int mm_sm90_prefill_ahead_max(int next_gemm, int chunk) {
  * (1..MM_SM90_PREFILL_CHUNK) of them per launch pair: their decoded E4M3
  * weights (the w13 slots, 2 I x H bytes each, and the w2 slots past them,
  * I x H bytes each: mm_sm90_prefill_slot) and, per launch (two per chunk),
- * a finished-task count per expert and a claim counter. */
+ * a finished-task count per expert and two claim counters (its own
+ * decoders', and the previous launch's, which decodes ahead). */
 MM_SM90_HD size_t mm_sm90_prefill_weight_bytes(int H, int I, int chunk) {
   return mm_sm90_align256(((size_t)chunk * 2 + MM_SM90_PREFILL_AHEAD_MAX) * (size_t)I *
                           (size_t)H);
 }
 MM_SM90_HD size_t mm_sm90_prefill_count_bytes(int E, int chunk) {
   const int chunks = (E + chunk - 1) / chunk;
-  return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 1);
+  return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 2);
 }
 MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk) {
   return mm_sm90_prefill_weight_bytes(H, I, chunk) +
