@@ -14,8 +14,12 @@
  * task belongs to a running CTA whatever else holds SMs; a CTA waits for an
  * expert's tasks before its first copy of that expert's weights. A task is
  * some K blocks of a 64-row tile, sized so that every decoder warp gets
- * about one task of each expert (mm_sm90_prefill_task_kblocks): a launch
- * starts with all of them on its first expert (docs/PERF.md, version 44).
+ * about one task of each expert (mm_sm90_prefill_task_kblocks): the first
+ * launch starts with all of them on its first expert (docs/PERF.md, version
+ * 44). Once a launch's own tasks are claimed, its decoder warps decode the
+ * next launch's first experts (decode ahead, PfParams::nx), into slots that
+ * the running launch does not read (mm_sm90_prefill_slot), so that the
+ * later launches start on decoded weights (version 45).
  *
  * Only matrices whose reference exponents are all 0 (the layer's
  * refs_zero: the row anchor moved every row's reference into its row

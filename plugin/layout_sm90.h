@@ -285,10 +285,11 @@ MM_SM90_HD int mm_sm90_prefill_min_rows(mm_weight_mode mode) {
 }
 /* the most experts per launch pair */
 #define MM_SM90_PREFILL_CHUNK 32
-/* compute.prefill-experts' default: half the region of 32 (403 MB for
- * GLM-5), 0.7-2% slower sustained on the H200, and a plan at EP8 with 4096
- * tokens per rank stays at 1.34 GiB per rank (1.71 with 32; docs/PERF.md,
- * version 22). */
+/* compute.prefill-experts' default: half the region of 32 (428 MB for
+ * GLM-5 with the decode ahead's two w2 slots), 0.7-2% slower sustained on
+ * the H200, and a plan at EP8 with 4096 tokens per rank stays at 1.36 GiB
+ * per rank (1.73 with 32; docs/PERF.md, version 22 and "Memory per
+ * rank"). */
 #define MM_SM90_PREFILL_EXPERTS_DEFAULT 16
 /* Decode ahead: once a launch's decoder warps have claimed all of its own
  * decode tasks, they take those of the next launch's first experts (at most

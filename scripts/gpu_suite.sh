@@ -84,8 +84,8 @@ if [[ " $steps " == *" tests "* ]]; then
   # two CTAs per SM, and a 3-CTA grid (each CTA walks many units, so its
   # pipeline ring wraps; the test's sizes alone never wrap it; with 64- and
   # 128-wide tiles the consumer warpgroups' turns run through many units),
-  # and the prefill path's decode tasks of 1 and of 16 K blocks (the test's
-  # shapes take 2 by the rule).
+  # the prefill path's decode tasks of 1 and of 16 K blocks (the test's
+  # shapes take 2 by the rule), and its decode ahead off and one expert deep.
   t=$pack/tests/gpu_test_moe_compute
   # shellcheck disable=SC2053 # the right side is the test glob
   if [ -x "$t" ] && [[ gpu_test_moe_compute == ${GPU_SUITE_TESTS:-gpu_test_*} ]]; then
@@ -94,7 +94,8 @@ if [[ " $steps " == *" tests "* ]]; then
       "TOKEN_TILE=128 GRID=3" TOKEN_TILE=160 TOKEN_TILE=128+160 "TOKEN_TILE=128+160 GRID=3" \
       TOKEN_TILE=64+128 "TOKEN_TILE=64+128 GRID=3" TOKEN_TILE=32+128 "TOKEN_TILE=32+128 GRID=3" \
       "TOKEN_TILE=32 GRID=3" \
-      "TOKEN_TILE=16 CTAS_PER_SM=1 GRID=3" PREFILL_TASK_KB=1 "PREFILL_TASK_KB=16 GRID=3"; do
+      "TOKEN_TILE=16 CTAS_PER_SM=1 GRID=3" PREFILL_TASK_KB=1 "PREFILL_TASK_KB=16 GRID=3" \
+      PREFILL_AHEAD=0 "PREFILL_AHEAD=1 GRID=3"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
       # log names without '=': the device tool does not bring those back

@@ -761,6 +761,36 @@ static void test_prefill_task_kblocks(void) {
   CHECK_EQ_INT(bad, 0);
 }
 
+/* The prefill path's weight slots (mm_sm90_prefill_slot), in bytes of a
+ * region for `chunk` experts: every expert's w13 and w2 lie inside the
+ * region and apart from the same matrix of every other expert; what a
+ * launch decodes ahead for the next one misses everything the running one
+ * reads: the first ahead experts' w2 every w13 (an L1 launch runs), their
+ * w13 every w2 (an L2 launch runs). With I x H = 1, a w13 slot is 2
+ * bytes and a w2 slot 1. */
+static int overlap(long a, long alen, long b, long blen) { return a < b + blen && b < a + alen; }
+static void test_prefill_slots(void) {
+  int bad = 0, ahead_w13 = 0;
+  for (int chunk = 1; chunk <= MM_SM90_PREFILL_CHUNK; chunk++) {
+    const long region = (long)mm_sm90_prefill_weight_bytes(16, 16, chunk) / 256;
+    const int a2 = mm_sm90_prefill_ahead_max(2, chunk), a1 = mm_sm90_prefill_ahead_max(1, chunk);
+    bad += a2 != MM_SM90_PREFILL_AHEAD_MAX || a1 > chunk;
+    ahead_w13 += a1 > 0;
+    for (int e = 0; e < chunk; e++) {
+      const long w13 = 2L * mm_sm90_prefill_slot(1, e, chunk), w2 = mm_sm90_prefill_slot(2, e, chunk);
+      bad += w13 < 0 || w13 + 2 > region || w2 < 0 || w2 + 1 > region;
+      for (int f = 0; f < chunk; f++) {
+        const long f13 = 2L * mm_sm90_prefill_slot(1, f, chunk), f2 = mm_sm90_prefill_slot(2, f, chunk);
+        if (f != e) bad += overlap(w13, 2, f13, 2) + overlap(w2, 1, f2, 1);
+        if (e < a2) bad += overlap(w2, 1, f13, 2);
+        if (e < a1) bad += overlap(w13, 2, f2, 1);
+      }
+    }
+  }
+  CHECK_EQ_INT(bad, 0);
+  CHECK_EQ_INT(ahead_w13, MM_SM90_PREFILL_CHUNK - 1); /* every chunk but 1 */
+}
+
 /* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
  * token tile and a column tile is computed by exactly one CTA of one unit
  * (a lost pair would drop tokens, a doubled one race on their output); a
@@ -847,6 +877,7 @@ int main(void) {
   RUN(test_launch_rule);
   RUN(test_prefill_units);
   RUN(test_prefill_task_kblocks);
+  RUN(test_prefill_slots);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
   RUN(test_mode2_f16_pair_decode);
