@@ -1007,7 +1007,8 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   /* the weight tiles' copies (1 / kClusterSize of their rows per CTA) and
    * the decode's tensor stores (32 x 128 tiles) */
   /* (the w2 slots reach past the w13 ones: mm_sm90_prefill_slot) */
-  const uint64_t rows13 = (uint64_t)ec * 2 * I, rows2 = (uint64_t)(2 * ec + MM_SM90_PREFILL_AHEAD_MAX) * H;
+  const uint64_t rows13 = (uint64_t)ec * 2 * I;
+  const uint64_t rows2 = (uint64_t)(2 * ec + MM_SM90_PREFILL_AHEAD_MAX) * H;
   MM_TRY(make_map(&wb1, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, H, rows13, H, 128,
                   C1::BNP / kClusterSize, true));
   MM_TRY(make_map(&wb2, CU_TENSOR_MAP_DATA_TYPE_UINT8, ws->wdec, I, rows2, I, 128,
@@ -1080,8 +1081,9 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
       p.nx.mat_off = n.mat_off;
       p.nx.ready = n.ready;
     }
-    /* L1, then L2 into w2's slots, which the next chunk's L1 does not
-     * overwrite before this L2 is done (stream order) */
+    /* stream order: a launch starts once the one before it has ended, so
+     * only what a launch decodes ahead meets the weights it reads, in
+     * other slots (mm_sm90_prefill_slot) */
     if (p.gemm == 1)
       MM_TRY((launch<1, kClusterSize>(p, cfg1, x1, s1, wb1, ww1, x1h, x1q, ww2)));
     else
