@@ -357,8 +357,9 @@ __global__ void __launch_bounds__(384, 1)
          * them: PfParams::pre). Every warp claims until the counter passes
          * their end, so all of them are done before this launch ends. (A
          * compare-and-swap on that launch's own counter, bounded at their
-         * end, ran every launch 11-18% slower on an H100: all decoder warps
-         * reach it at once, when their own tasks run out.) */
+         * end, ran each launch that decoded ahead 12-32% slower on an
+         * H100: all decoder warps reach it at once, when their own tasks
+         * run out; docs/PERF.md, version 45.) */
         const int nxa = min(p.nx.ahead, p.nx.E), nkb = p.nx.K / 128;
         const int ngroups = nxa > 0 ? (nkb + p.nx.task_kb - 1) / p.nx.task_kb : 1;
         dcur = 0;
