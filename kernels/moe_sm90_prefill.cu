@@ -114,11 +114,12 @@ struct PfParams {
   int task_kb;       /* K blocks per decode task (mm_sm90_prefill_task_kblocks) */
   int gemm, chunk;   /* this launch's GEMM and the experts a chunk (mm_sm90_prefill_slot) */
   int pre;           /* its first experts whose tasks the previous launch decoded */
-  /* decode ahead (mm_sm90_prefill_slot): the next launch's GEMM, experts,
-   * matrix and counts, and how many of its first experts' tasks this
-   * launch's decoder warps may claim once their own are done (0: none) */
+  /* decode ahead (mm_sm90_prefill_slot): the next launch's experts, matrix
+   * (the other GEMM's: launches alternate) and counts, and how many of its
+   * first experts' tasks this launch's decoder warps may claim once their
+   * own are done (0: none) */
   struct {
-    int ahead, gemm, e0, E, N, K, task_kb;
+    int ahead, e0, E, N, K, task_kb;
     size_t mat_off;
     int *ready;
   } nx;
@@ -373,12 +374,11 @@ __global__ void __launch_bounds__(384, 1)
           const int v = t - xoff[dcur], tile = v / ngroups, kb0 = p.nx.task_kb * (v % ngroups);
           const uint8_t *rec = p.w + (size_t)(p.nx.e0 + dcur) * p.expert_bytes + p.nx.mat_off +
                                ((size_t)tile * nkb + kb0) * RecFmt<MODE>::kRec;
-          const int wrow = mm_sm90_prefill_slot(p.nx.gemm, dcur, p.chunk) * p.nx.N + 64 * tile;
-          if (MODE == 3 && p.nx.gemm == 1) /* its own K order (decode_record_slot) */
-            decode_record_run<MODE, true>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next, wrow,
-                                          sm + G::kOffLut, bufs, n);
-          else
-            decode_record_run<MODE, false>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next, wrow,
+          constexpr int NG = 3 - GEMM; /* the next launch's GEMM */
+          /* L1's weights in mode 3's own K order (decode_record_slot) */
+          decode_record_run<MODE, NG == 1>(rec, kb0, min(nkb, kb0 + p.nx.task_kb), &tw_next,
+                                           mm_sm90_prefill_slot(NG, dcur, p.chunk) * p.nx.N +
+                                               64 * tile,
                                            sm + G::kOffLut, bufs, n);
           if (lane == 0) atomicAdd(p.nx.ready + dcur, 1);
         }
@@ -1073,7 +1073,6 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
       launch_fields(j + 1, n);
       const int most = mm_sm90_prefill_ahead_max(n.gemm, chunk);
       p.nx.ahead = ahead < most ? ahead : most;
-      p.nx.gemm = n.gemm;
       p.nx.e0 = n.e0;
       p.nx.E = n.E;
       p.nx.N = n.N;

@@ -997,9 +997,9 @@ static void count_diff(const uint16_t *got, const uint16_t *ref, size_t n, size_
 
 /* The prefill path's workspace region: a call given only the minimum runs
  * the WGMMA kernels (a plan made before the layers were prepared), a forced
- * prefill call refuses it, less than the minimum is refused; one expert per
- * launch pair (compute.prefill-experts) takes a third of the three experts'
- * region and computes the same bits; a layer with the path turned off
+ * prefill call refuses it, less than the minimum is refused; one and two
+ * experts per launch pair (compute.prefill-experts) take a smaller region
+ * and compute the same bits; a layer with the path turned off
  * plans no region and refuses the forced path. */
 static void test_prefill_workspace(void) {
   /* exact data: one reference per row; three different experts, so that
