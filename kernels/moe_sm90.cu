@@ -274,8 +274,10 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
     const int chunk = mm_sm90_prefill_chunk(L);
     const size_t wdec = w.bytes, count = wdec + mm_sm90_prefill_weight_bytes(L->H, L->I, chunk);
     w.wdec = b ? b + wdec : NULL;
+    const size_t tiles = count + mm_sm90_align256(mm_sm90_prefill_count_bytes(L->E, chunk));
     w.pf_count = b ? (int *)(b + count) : NULL;
-    w.bytes = wdec + mm_sm90_prefill_region_bytes(L->E, L->H, L->I, chunk);
+    w.pf_tiles = b ? (int *)(b + tiles) : NULL;
+    w.bytes = wdec + mm_sm90_prefill_region_bytes(L->E, L->H, L->I, chunk, num_rows_max);
   }
   return w;
 }
@@ -336,6 +338,7 @@ extern "C" mm_err *mm_sm90_expert_compute_path(const mm_sm90_layer *L, const mm_
      * layers were prepared): the WGMMA kernels only */
     ws.wdec = NULL;
     ws.pf_count = NULL;
+    ws.pf_tiles = NULL;
     ws.bytes = ws.base_bytes;
   }
   MM_ARG_CHECK(workspace && workspace_bytes >= ws.bytes,

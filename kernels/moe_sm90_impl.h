@@ -45,6 +45,7 @@ struct mm_sm90_ws {
   uint8_t *wdec;   /* E4M3 weights of mm_sm90_prefill_chunk experts, in
                       [2I][H] (w13) and [H][I] (w2) slots (mm_sm90_prefill_slot) */
   int *pf_count;   /* decode counts (mm_sm90_prefill_count_bytes, layout_sm90.h) */
+  int *pf_tiles;   /* [Mp] L1 units done per token tile (mm_sm90_prefill_tile_count_bytes) */
   size_t bytes;
   size_t base_bytes; /* without the prefill path's region */
 };

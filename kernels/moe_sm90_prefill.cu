@@ -19,7 +19,12 @@
  * 44). Once a launch's own tasks are claimed, its decoder warps decode the
  * next launch's first experts (decode ahead, PfParams::nx), into slots that
  * the running launch does not read (mm_sm90_prefill_slot), so that the
- * later launches start on decoded weights (version 45).
+ * later launches start on decoded weights (version 45). Every launch after
+ * a call's first is a programmatic dependent of the one before (overlap):
+ * its CTAs start as that launch's CTAs end; its decoders wait for that
+ * launch's end, since they write slots it may read, and an L2 launch reads
+ * a token tile's intermediate once L1 has counted all of its units of it
+ * (PfParams::tiles; version 46).
  *
  * Only matrices whose reference exponents are all 0 (the layer's
  * refs_zero: the row anchor moved every row's reference into its row
@@ -83,6 +88,8 @@ constexpr int kClusterSize = 2;
  * faster than one accumulator at 24576-65536 rows, runs of 16 no faster
  * (docs/PERF.md, version 22) */
 constexpr int kRun = 8;
+/* L1 units per release of their token tiles' counts (overlap) */
+constexpr int kTileBatch = 4;
 /* registers: the producer warpgroup (copies, decode: it spills at 64) and
  * each consumer warpgroup (two accumulators and the promoted sums, 192);
  * the pool of 384 x 168 must hold them */
@@ -111,6 +118,11 @@ struct PfParams {
   int *ready;        /* [E]: finished decode tasks per expert; [E]: tasks claimed;
                       * [kChunk + 1]: tasks claimed by the previous launch (decode ahead) */
   int narrow;        /* small last tiles with the operands turned around (narrow_unit) */
+  /* overlap: the launch may start while the one before it runs; tiles: per
+   * token tile, at its first pool row, L1's warpgroup units of it that are
+   * stored (2 per L1 column tile), which L2 waits for */
+  int overlap;
+  int *tiles;
   int task_kb;       /* K blocks per decode task (mm_sm90_prefill_task_kblocks) */
   int gemm, chunk;   /* this launch's GEMM and the experts a chunk (mm_sm90_prefill_slot) */
   int pre;           /* its first experts whose tasks the previous launch decoded */
@@ -164,7 +176,7 @@ struct PfCfg {
   static_assert(kBytes <= 232448, "shared memory");
   static_assert(MM_SM90_LUT_ENTRIES * 8 <= kLut, "mode 3's fold table");
   static_assert(kStages >= 3, "at least three stages");
-  static_assert(5 * (kChunk + 1) * 4 <= 1024, "schedule arrays");
+  static_assert((5 * (kChunk + 1) + 2 * kTileBatch + 1) * 4 <= 1024, "schedule arrays");
 };
 
 /* the rings' depths on an H200's 227 KB: in 64 x 256 tiles, one stage
@@ -263,6 +275,10 @@ __global__ void __launch_bounds__(384, 1)
   int *uoff = (int *)(sm + G::kOffSched), *toff = uoff + kChunk + 1;
   int *rbeg = toff + kChunk + 1, *rend = rbeg + kChunk + 1; /* each expert's pool rows */
   int *xoff = rend + kChunk + 1; /* the next launch's task prefixes (decode ahead) */
+  int *pend0 = xoff + kChunk + 1; /* each consumer warpgroup's uncounted token tiles */
+  /* the decoders' first task, past those the launch before decoded: read
+   * at a fixed offset (an address kept in a register made them spill) */
+  int *const tpre = (int *)(sm + G::kOffSched) + 5 * (kChunk + 1) + 2 * kTileBatch;
   const int wg = threadIdx.x / 128, KB = p.K / 128, NT = p.N / G::BN;
   const int groups = (KB + p.task_kb - 1) / p.task_kb, tasks_pe = p.N / 64 * groups;
   uint32_t crank;
@@ -287,6 +303,7 @@ __global__ void __launch_bounds__(384, 1)
                                                     small_last(b - a));
       toff[e + 1] = toff[e] + (b > a ? tasks_pe : 0);
     }
+    *tpre = toff[min(p.pre, p.E)];
     /* the next launch's tasks, as that launch counts them */
     const int nxg = (p.nx.K / 128 + p.nx.task_kb - 1) / max(p.nx.task_kb, 1);
     xoff[0] = 0;
@@ -307,6 +324,8 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
   cluster_sync();
+  /* the next launch may start as this one's CTAs end (overlap) */
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int ustep = gridDim.x / CS, ufirst = blockIdx.x / CS, nunits = uoff[p.E];
   int cur = 0;
   auto unit_of = [&](int u) {
@@ -338,9 +357,12 @@ __global__ void __launch_bounds__(384, 1)
       auto decode_tasks = [&](auto mode) {
         constexpr int MODE = decltype(mode)::value;
         int n = 0, dcur = 0;
+        /* the launch before has ended and its writes are visible: it may
+         * read the slots this launch's decoders write (overlap) */
+        if (p.overlap) asm volatile("griddepcontrol.wait;" ::: "memory");
         for (;;) {
           int t = 0;
-          if (lane == 0) t = toff[min(p.pre, p.E)] + atomicAdd(p.ready + p.E, 1);
+          if (lane == 0) t = *tpre + atomicAdd(p.ready + p.E, 1);
           t = __shfl_sync(0xffffffffu, t, 0);
           if (t >= toff[p.E]) break;
           while (toff[dcur + 1] <= t) dcur++;
@@ -386,10 +408,22 @@ __global__ void __launch_bounds__(384, 1)
       if (p.mode == 3) decode_tasks(std::integral_constant<int, 3>());
       else decode_tasks(std::integral_constant<int, 1>());
     } else if (threadIdx.x == 0) { /* copies */
-      int stage = 0, e_ready = -1;
+      int stage = 0, e_ready = -1, tile_ready = -1;
       uint32_t phase = 0;
       for (int u = ufirst; u < nunits; u += ustep) {
         const PfUnit un = unit_of(u);
+        if (GEMM == 2 && p.overlap && un.valid > 0 && un.row0 != tile_ready) {
+          /* the token tile's intermediate: L1's units of it, two warpgroups
+           * for each of its K / 128 column tiles */
+          for (;;) {
+            int v;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.tiles + un.row0) : "memory");
+            if (v >= 2 * KB) break;
+            __nanosleep(100);
+          }
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          tile_ready = un.row0;
+        }
         if (un.e != e_ready) { /* the expert's weights, decoded by all CTAs */
           for (;;) {
             int v;
@@ -704,6 +738,28 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   };
+  /* L1 (overlap): the token tiles of the warpgroup's units, counted in
+   * tiles[] in batches of kTileBatch units: once every thread of the
+   * warpgroup has passed a barrier after its stores, one thread's fence at
+   * GPU scope makes all of them visible before its counts. A release per
+   * unit holds the warp that issues it, and with it the warpgroup's next
+   * MMAs: 0.6-2.5% slower (docs/PERF.md, version 46). */
+  int *const pend = pend0 + kTileBatch * c;
+  auto tile_flush = [&](int n) {
+    named_sync(1 + c, 128);
+    if (t == 0) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      for (int i = 0; i < n; i++)
+        if (pend[i] >= 0)
+          asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(p.tiles + pend[i]) : "memory");
+    }
+  };
+  /* unit k's tile (none for a unit for nobody) */
+  auto tile_done = [&](const PfUnit &un, int k) {
+    if (GEMM != 1 || !p.overlap) return;
+    if (t == 0) pend[k % kTileBatch] = un.valid > 0 ? un.row0 : -1;
+    if (k % kTileBatch == kTileBatch - 1) tile_flush(kTileBatch);
+  };
   set_max_regs_inc<kConsumerRegs>();
   /* one loop-carried counter: with the unit number carried beside it,
    * ptxas kept one of them in local memory */
@@ -716,6 +772,7 @@ __global__ void __launch_bounds__(384, 1)
         if (un.valid <= 16) narrow_unit(std::integral_constant<int, 16>(), un);
         else narrow_unit(std::integral_constant<int, 32>(), un);
       }
+      tile_done(un, it);
       continue;
     }
     if (aoff >= un.valid) {
@@ -732,6 +789,7 @@ __global__ void __launch_bounds__(384, 1)
         next_stage();
       }
       named_sync(1 + c, 128);
+      tile_done(un, it);
       continue;
     }
     /* the top-k weights of the thread's two rows (L1), loaded now so that
@@ -902,7 +960,9 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
+    tile_done(un, it);
   }
+  if (GEMM == 1 && p.overlap && it % kTileBatch) tile_flush(it % kTileBatch);
   cluster_sync();
 }
 
@@ -954,10 +1014,17 @@ int task_kblocks(int N, int K, int ctas) {
   return mm_sm90_prefill_task_kblocks(K / 128, N / 64, 3 * ctas);
 }
 
+/* A launch; early: it may start while the stream's kernel before it runs
+ * (a programmatic dependent launch: PfParams::overlap) */
 template <int GEMM, int CS>
-mm_err *launch(const PfParams &p, cudaLaunchConfig_t cfg, const CUtensorMap &ta,
+mm_err *launch(const PfParams &p, cudaLaunchConfig_t cfg, bool early, const CUtensorMap &ta,
                const CUtensorMap &ts, const CUtensorMap &tb, const CUtensorMap &tw,
                const CUtensorMap &tah, const CUtensorMap &tq, const CUtensorMap &tw_next) {
+  cudaLaunchAttribute at[2] = {cfg.attrs[0], {}};
+  at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = early ? 2 : 1;
   MM_CUDA_TRY(cudaLaunchKernelEx(&cfg, prefill_kernel<GEMM, CS>, p, ta, ts, tb, tw, tah, tq,
                                  tw_next));
   return NULL;
@@ -980,7 +1047,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
                             const mm_sm90_ws *ws, cudaStream_t st) {
   const char *why = mm_sm90_prefill_unsupported(L);
   if (why) return mm_error(MEGAMOE_CODE_UNIMPLEMENTED, "sm90 prefill path: %s", why);
-  MM_ARG_CHECK(ws->wdec && ws->pf_count,
+  MM_ARG_CHECK(ws->wdec && ws->pf_count && ws->pf_tiles,
                "sm90 prefill path: the workspace has no weight region (planned without it)");
   MM_ARG_CHECK((uintptr_t)pool->x % 16 == 0 && (uintptr_t)pool->out % 16 == 0,
                "sm90 expert compute: pool x and out must be 16-byte aligned");
@@ -989,6 +1056,7 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const int max_ctas = mm_sm90_grid_cap();
   MM_TRY(mm_sm90_prep_token_scales(L, pool, ws, st));
   MM_CUDA_TRY(cudaMemsetAsync(ws->pf_count, 0, mm_sm90_prefill_count_bytes(L->E, chunk), st));
+  MM_CUDA_TRY(cudaMemsetAsync(ws->pf_tiles, 0, mm_sm90_prefill_tile_count_bytes(M), st));
   CUtensorMap x1, s1, x2, s2, wb1, ww1, wb2, ww2, x1h, x2h, x1q, x2q;
   const int ec = chunk;
   using C1 = PfCfg<1>;
@@ -1039,6 +1107,11 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   const char *nv = getenv("MEGAMOE_SM90_PREFILL_NARROW");
   p.narrow = !(nv && nv[0] == '0');
   p.chunk = chunk;
+  /* MEGAMOE_SM90_PREFILL_OVERLAP=0: each launch starts once the one before
+   * it has ended (docs/CONFIG.md; a measurement's control) */
+  const char *ov = getenv("MEGAMOE_SM90_PREFILL_OVERLAP");
+  p.overlap = !(ov && ov[0] == '0');
+  p.tiles = ws->pf_tiles;
   /* MEGAMOE_SM90_PREFILL_AHEAD=n (0-2): decode n of the next launch's
    * first experts ahead (docs/CONFIG.md; 0: none, a measurement's control) */
   const char *av = getenv("MEGAMOE_SM90_PREFILL_AHEAD");
@@ -1081,13 +1154,16 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
       p.nx.mat_off = n.mat_off;
       p.nx.ready = n.ready;
     }
-    /* stream order: a launch starts once the one before it has ended, so
-     * only what a launch decodes ahead meets the weights it reads, in
-     * other slots (mm_sm90_prefill_slot) */
+    /* with overlap a launch's CTAs start as the one before it ends, but its
+     * decoders wait for that launch's end and its L2 reads only the token
+     * tiles L1 has counted, so only what a launch decodes ahead meets the
+     * weights the running launch reads, in other slots
+     * (mm_sm90_prefill_slot) */
+    const bool early = p.overlap && j > 0;
     if (p.gemm == 1)
-      MM_TRY((launch<1, kClusterSize>(p, cfg1, x1, s1, wb1, ww1, x1h, x1q, ww2)));
+      MM_TRY((launch<1, kClusterSize>(p, cfg1, early, x1, s1, wb1, ww1, x1h, x1q, ww2)));
     else
-      MM_TRY((launch<2, kClusterSize>(p, cfg2, x2, s2, wb2, ww2, x2h, x2q, ww1)));
+      MM_TRY((launch<2, kClusterSize>(p, cfg2, early, x2, s2, wb2, ww2, x2h, x2q, ww1)));
   }
   return NULL;
 }

@@ -32,6 +32,7 @@ static const env_knob g_knobs[] = {
     {"MEGAMOE_SM90_PREFILL_NARROW", "0 1"},
     {"MEGAMOE_SM90_PREFILL_TASK_KB", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16"},
     {"MEGAMOE_SM90_PREFILL_AHEAD", "0 1 2"},
+    {"MEGAMOE_SM90_PREFILL_OVERLAP", "0 1"},
     {"MEGAMOE_SM90_PACK", "auto gpu host"},
     {"MEGAMOE_SM90_REQUANT", "gpu host"},
     {"MEGAMOE_CPU_SIMD", "0 1"},

@@ -251,11 +251,15 @@ MM_SM90_HD int mm_sm90_f16_mma(mm_weight_mode mode) {
 
 MM_SM90_HD size_t mm_sm90_align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
+/* Mp: the pool's rows rounded up to 64, at least 64 */
+MM_SM90_HD int mm_sm90_rows_padded(int num_rows_max) {
+  const int mp = (num_rows_max + 63) / 64 * 64;
+  return mp > 0 ? mp : 64;
+}
 MM_SM90_HD mm_sm90_ws_plan mm_sm90_workspace_plan(mm_weight_mode mode, int H, int I,
                                                   int num_rows_max) {
   mm_sm90_ws_plan w;
-  w.Mp = (num_rows_max + 63) / 64 * 64;
-  if (w.Mp == 0) w.Mp = 64;
+  w.Mp = mm_sm90_rows_padded(num_rows_max);
   const size_t Mp = (size_t)w.Mp;
   size_t off = 0;
   w.xs_t = off;
@@ -319,7 +323,10 @@ MM_SM90_HD int mm_sm90_prefill_ahead_max(int next_gemm, int chunk) {
  * weights (the w13 slots, 2 I x H bytes each, and the w2 slots past them,
  * I x H bytes each: mm_sm90_prefill_slot) and, per launch (two per chunk),
  * a finished-task count per expert and two claim counters (its own
- * decoders', and the previous launch's, which decodes ahead). */
+ * decoders', and the previous launch's, which decodes ahead); then, per
+ * pool row (Mp of them) that may start a token tile, the L1 warpgroup
+ * units stored of that tile (an L2 launch, which may start before its L1
+ * ends, reads a tile once all 2 x I / 128 of them are counted). */
 MM_SM90_HD size_t mm_sm90_prefill_weight_bytes(int H, int I, int chunk) {
   return mm_sm90_align256(((size_t)chunk * 2 + MM_SM90_PREFILL_AHEAD_MAX) * (size_t)I *
                           (size_t)H);
@@ -328,9 +335,13 @@ MM_SM90_HD size_t mm_sm90_prefill_count_bytes(int E, int chunk) {
   const int chunks = (E + chunk - 1) / chunk;
   return sizeof(int) * 2 * (size_t)chunks * (MM_SM90_PREFILL_CHUNK + 2);
 }
-MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk) {
+MM_SM90_HD size_t mm_sm90_prefill_tile_count_bytes(int num_rows_max) {
+  return mm_sm90_align256(sizeof(int) * (size_t)mm_sm90_rows_padded(num_rows_max));
+}
+MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk, int num_rows_max) {
   return mm_sm90_prefill_weight_bytes(H, I, chunk) +
-         mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk));
+         mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk)) +
+         mm_sm90_prefill_tile_count_bytes(num_rows_max);
 }
 
 /* The prefill path's work units of one expert of `tiles` token tiles, nt

@@ -95,7 +95,7 @@ if [[ " $steps " == *" tests "* ]]; then
       TOKEN_TILE=64+128 "TOKEN_TILE=64+128 GRID=3" TOKEN_TILE=32+128 "TOKEN_TILE=32+128 GRID=3" \
       "TOKEN_TILE=32 GRID=3" \
       "TOKEN_TILE=16 CTAS_PER_SM=1 GRID=3" PREFILL_TASK_KB=1 "PREFILL_TASK_KB=16 GRID=3" \
-      PREFILL_AHEAD=0 "PREFILL_AHEAD=1 GRID=3"; do
+      PREFILL_AHEAD=0 "PREFILL_AHEAD=1 GRID=3" PREFILL_OVERLAP=0 "PREFILL_OVERLAP=1 GRID=2"; do
       envs=()
       for kv in $v; do envs+=("MEGAMOE_SM90_$kv"); done
       # log names without '=': the device tool does not bring those back

@@ -791,6 +791,48 @@ static void test_prefill_slots(void) {
   CHECK_EQ_INT(ahead_w13, MM_SM90_PREFILL_CHUNK - 1); /* every chunk but 1 */
 }
 
+/* The prefill path's token-tile counts (mm_sm90_prefill_tile_count_bytes):
+ * an L1 launch counts each token tile at the pool row it starts on, and an
+ * overlapping L2 launch waits there, so every tile of every expert must
+ * start on a row of its own inside the Mp counts the region holds; the
+ * region is the weights, the launch counts and the tile counts. Random
+ * pools of 0-40 experts (some empty) and 1-5000 rows. */
+static void test_prefill_tile_counts(void) {
+  int bad = 0;
+  CHECK_EQ_INT(mm_sm90_rows_padded(0), 64);
+  CHECK_EQ_INT(mm_sm90_rows_padded(64), 64);
+  CHECK_EQ_INT(mm_sm90_rows_padded(65), 128);
+  for (int r = 0; r < 300; r++) {
+    const int M = 1 + (int)(mm_test_rand_u64() % 5000), E = (int)(mm_test_rand_u64() % 41);
+    const int mp = mm_sm90_rows_padded(M);
+    bad += mp < M || mp % 64 || mm_sm90_prefill_tile_count_bytes(M) < sizeof(int) * (size_t)mp;
+    const int chunk = 1 + (int)(mm_test_rand_u64() % MM_SM90_PREFILL_CHUNK);
+    bad += mm_sm90_prefill_region_bytes(E > 0 ? E : 1, 256, 128, chunk, M) !=
+           mm_sm90_prefill_weight_bytes(256, 128, chunk) +
+               mm_sm90_align256(mm_sm90_prefill_count_bytes(E > 0 ? E : 1, chunk)) +
+               mm_sm90_prefill_tile_count_bytes(M);
+    /* expert offsets: E + 1 sorted cuts of [0, M] */
+    static int cut[42];
+    static unsigned char used[5000];
+    cut[0] = 0;
+    cut[E] = M;
+    for (int e = 1; e < E; e++) cut[e] = mm_test_rand_u64() % 4 ? (int)(mm_test_rand_u64() % (M + 1)) : cut[e - 1];
+    for (int e = 1; e < E; e++)
+      for (int f = e; f > 0 && cut[f] < cut[f - 1]; f--) {
+        const int x = cut[f];
+        cut[f] = cut[f - 1];
+        cut[f - 1] = x;
+      }
+    memset(used, 0, sizeof(used));
+    for (int e = 0; e < E; e++)
+      for (int row0 = cut[e]; row0 < cut[e + 1]; row0 += 128) {
+        bad += row0 < 0 || row0 >= mp || used[row0];
+        used[row0] = 1;
+      }
+  }
+  CHECK_EQ_INT(bad, 0);
+}
+
 /* The prefill path's work units (mm_sm90_prefill_unit): every pair of a
  * token tile and a column tile is computed by exactly one CTA of one unit
  * (a lost pair would drop tokens, a doubled one race on their output); a
@@ -878,6 +920,7 @@ int main(void) {
   RUN(test_prefill_units);
   RUN(test_prefill_task_kblocks);
   RUN(test_prefill_slots);
+  RUN(test_prefill_tile_counts);
   RUN(test_mode4_kperm);
   RUN(test_mode2_kperm);
   RUN(test_mode2_f16_pair_decode);

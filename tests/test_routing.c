@@ -334,7 +334,8 @@ static void test_sizing(void) {
     CHECK(s.pool_rows >= (int64_t)mm_sm90_prefill_min_rows(MM_WMODE_G32_FP8) * E);
     a.workspace_bytes = sm90_ws(MM_WMODE_G32_FP8, a.hidden, a.intermediate, s.pool_rows) +
                         (int64_t)mm_sm90_prefill_region_bytes(E, a.hidden, a.intermediate,
-                                                              MM_SM90_PREFILL_EXPERTS_DEFAULT);
+                                                              MM_SM90_PREFILL_EXPERTS_DEFAULT,
+                                                              (int)s.pool_rows);
     mm_ep_sizes sm;
     CHECK_OK(mm_ep_size(&a, &sm));
     CHECK_MSG(sm.device_total <= 1536ull << 20, "mode 1 with the prefill region: %.3f GiB",
@@ -387,7 +388,7 @@ static void print_table(void) {
                                       a.intermediate, s.pool_rows);
           if (chunks[m2])
             a.workspace_bytes += (int64_t)mm_sm90_prefill_region_bytes(
-                E, a.hidden, a.intermediate, chunks[m2] < E ? chunks[m2] : E);
+                E, a.hidden, a.intermediate, chunks[m2] < E ? chunks[m2] : E, (int)s.pool_rows);
           e = mm_ep_size(&a, &s);
         }
         if (e) {
