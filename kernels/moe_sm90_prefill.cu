@@ -415,23 +415,11 @@ __global__ void __launch_bounds__(384, 1)
         if (GEMM == 2 && p.overlap && un.valid > 0 && un.row0 != tile_ready) {
           /* the token tile's intermediate: L1's units of it, two warpgroups
            * for each of its K / 128 column tiles */
-          for (;;) {
-            int v;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.tiles + un.row0) : "memory");
-            if (v >= 2 * KB) break;
-            __nanosleep(100);
-          }
-          asm volatile("fence.proxy.async.global;" ::: "memory");
+          wait_count_async(p.tiles + un.row0, 2 * KB, 100);
           tile_ready = un.row0;
         }
         if (un.e != e_ready) { /* the expert's weights, decoded by all CTAs */
-          for (;;) {
-            int v;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + un.e) : "memory");
-            if (v >= tasks_pe) break;
-            __nanosleep(200);
-          }
-          asm volatile("fence.proxy.async.global;" ::: "memory");
+          wait_count_async(p.ready + un.e, tasks_pe, 200);
           e_ready = un.e;
         }
         /* at most one warpgroup's rows: only its half of the token tile; a

@@ -224,13 +224,7 @@ __global__ void __launch_bounds__(384, 1)
         unit_of(u, e, mt, nt);
         if (kDecode && e != e_ready) { /* the expert's weights, decoded by every CTA */
           const int want = kDecode == 2 ? (p.N / 64) * ((KB + 15) / 16) : 3 * (p.N / G::kDecodeRows);
-          for (;;) {
-            int v;
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.ready + e) : "memory");
-            if (v >= want) break;
-            __nanosleep(200);
-          }
-          asm volatile("fence.proxy.async.global;" ::: "memory");
+          wait_count_async(p.ready + e, want, 200);
           e_ready = e;
         }
         const int row0 = e * p.Me + mt * G::BM, brow = e * p.N + nt * G::BN;

@@ -164,6 +164,21 @@ __device__ __forceinline__ void mma_ss_narrow(float (&d)[N / 2], uint64_t da, ui
                  : "l"(da), "l"(db), "r"(scale_d));
 }
 
+/* Spin (sleeping sleep_ns between tries) until *count, written by other
+ * CTAs or kernels, reaches at_least, acquiring at GPU scope; then order
+ * this thread's later tensor copies (async proxy) after what the count
+ * published: a producer's wait for data another CTA wrote. */
+__device__ __forceinline__ void wait_count_async(const int *count, int at_least,
+                                                 unsigned sleep_ns) {
+  for (;;) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+    if (v >= at_least) break;
+    __nanosleep(sleep_ns);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 /* Both CTAs of a cluster meet: their barriers, copies and remote arrives
  * are set up (at the start) or done with (at the end). */
 __device__ __forceinline__ void cluster_sync() {
