@@ -258,6 +258,14 @@ struct PfUnit {
   int e, nt, row0, valid, split;
 };
 
+/* Expert e's pool rows [a, b), read from the offsets as the kernel trusts
+ * them: an offset outside [0, M] or below the one before makes the expert
+ * empty, never a row outside the pool. */
+__device__ __forceinline__ void expert_rows(const int32_t *offsets, int e, int M, int &a, int &b) {
+  a = min(max(offsets[e], 0), M);
+  b = min(max(offsets[e + 1], a), M);
+}
+
 template <int GEMM, int CS>
 __global__ void __launch_bounds__(384, 1)
     prefill_kernel(const PfParams p, const __grid_constant__ CUtensorMap ta,
@@ -294,9 +302,8 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     uoff[0] = toff[0] = 0;
     for (int e = 0; e < p.E; e++) {
-      /* offsets outside [0, M] or decreasing count as empty experts */
-      const int a = min(max(p.offsets[p.e0 + e], 0), p.M);
-      const int b = min(max(p.offsets[p.e0 + e + 1], a), p.M);
+      int a, b;
+      expert_rows(p.offsets, p.e0 + e, p.M, a, b);
       rbeg[e] = a;
       rend[e] = b;
       uoff[e + 1] = uoff[e] + mm_sm90_prefill_units((b - a + G::BM - 1) / G::BM, CS, NT,
@@ -308,8 +315,8 @@ __global__ void __launch_bounds__(384, 1)
     const int nxg = (p.nx.K / 128 + p.nx.task_kb - 1) / max(p.nx.task_kb, 1);
     xoff[0] = 0;
     for (int e = 0; e < min(p.nx.ahead, p.nx.E); e++) {
-      const int a = min(max(p.offsets[p.nx.e0 + e], 0), p.M);
-      const int b = min(max(p.offsets[p.nx.e0 + e + 1], a), p.M);
+      int a, b;
+      expert_rows(p.offsets, p.nx.e0 + e, p.M, a, b);
       xoff[e + 1] = xoff[e] + (b > a ? p.nx.N / 64 * nxg : 0);
     }
   }
