@@ -58,6 +58,13 @@ static inline int mm_sm90_grid_cap(void) {
   return v ? atoi(v) : 0;
 }
 
+/* A switch that is on unless the variable starts with '0' (tests and
+ * measurements' controls; docs/CONFIG.md), read where a call launches. */
+static inline bool mm_sm90_env_on(const char *name) {
+  const char *v = getenv(name);
+  return !(v && v[0] == '0');
+}
+
 /* Experts per launch pair of layer L's prefill path. */
 static inline int mm_sm90_prefill_chunk(const mm_sm90_layer *L) {
   const int c = L->prefill_chunk > 0 ? L->prefill_chunk : MM_SM90_PREFILL_EXPERTS_DEFAULT;

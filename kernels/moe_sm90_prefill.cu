@@ -1099,13 +1099,11 @@ mm_err *mm_sm90_run_prefill(const mm_sm90_layer *L, const mm_expert_pool *pool, 
   p.out_rows = pool->out_rows;
   /* MEGAMOE_SM90_PREFILL_NARROW=0: every small last tile on the usual tile
    * (docs/CONFIG.md; a measurement's control) */
-  const char *nv = getenv("MEGAMOE_SM90_PREFILL_NARROW");
-  p.narrow = !(nv && nv[0] == '0');
+  p.narrow = mm_sm90_env_on("MEGAMOE_SM90_PREFILL_NARROW");
   p.chunk = chunk;
   /* MEGAMOE_SM90_PREFILL_OVERLAP=0: each launch starts once the one before
    * it has ended (docs/CONFIG.md; a measurement's control) */
-  const char *ov = getenv("MEGAMOE_SM90_PREFILL_OVERLAP");
-  p.overlap = !(ov && ov[0] == '0');
+  p.overlap = mm_sm90_env_on("MEGAMOE_SM90_PREFILL_OVERLAP");
   p.tiles = ws->pf_tiles;
   /* MEGAMOE_SM90_PREFILL_AHEAD=n (0-2): decode n of the next launch's
    * first experts ahead (docs/CONFIG.md; 0: none, a measurement's control) */

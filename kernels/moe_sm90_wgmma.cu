@@ -2140,11 +2140,9 @@ mm_err *mm_sm90_run_wgmma(const mm_sm90_layer *L, const mm_expert_pool *pool, fl
   }
   v = getenv("MEGAMOE_SM90_CTAS_PER_SM");
   if (v && (atoi(v) == 1 || atoi(v) == 2)) cps = atoi(v);
-  v = getenv("MEGAMOE_SM90_MIXED_TILES");
   Overrides o;
-  o.allow_mixed = !(v && v[0] == '0');
-  v = getenv("MEGAMOE_SM90_WIDE_FIRST");
-  o.wide_first = !(v && v[0] == '0');
+  o.allow_mixed = mm_sm90_env_on("MEGAMOE_SM90_MIXED_TILES");
+  o.wide_first = mm_sm90_env_on("MEGAMOE_SM90_WIDE_FIRST");
   o.max_ctas = mm_sm90_grid_cap();
   if (bn != 16) cps = 1; /* wider tiles spill with two CTAs per SM */
 #define MM_RUN_BN(m)                                                                   \
