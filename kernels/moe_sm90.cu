@@ -269,15 +269,15 @@ mm_sm90_ws mm_sm90_ws_carve(const mm_sm90_layer *L, int num_rows_max, void *base
   w.as_t = b ? (float *)(b + pl.as_t) : NULL;
   w.bytes = w.base_bytes = pl.bytes;
   if (mm_sm90_prefill_planned(L, num_rows_max)) {
-    /* the prefill path's weights (the larger matrix of a launch pair's
-     * experts) and decode counts, after the plan's arrays */
-    const int chunk = mm_sm90_prefill_chunk(L);
-    const size_t wdec = w.bytes, count = wdec + mm_sm90_prefill_weight_bytes(L->H, L->I, chunk);
-    w.wdec = b ? b + wdec : NULL;
-    const size_t tiles = count + mm_sm90_align256(mm_sm90_prefill_count_bytes(L->E, chunk));
-    w.pf_count = b ? (int *)(b + count) : NULL;
-    w.pf_tiles = b ? (int *)(b + tiles) : NULL;
-    w.bytes = wdec + mm_sm90_prefill_region_bytes(L->E, L->H, L->I, chunk, num_rows_max);
+    /* the prefill path's region after the plan's arrays: its decoded
+     * weights, decode counts and token-tile counts */
+    const mm_sm90_prefill_region r = mm_sm90_prefill_region_layout(
+        L->E, L->H, L->I, mm_sm90_prefill_chunk(L), num_rows_max);
+    uint8_t *const region = b ? b + w.bytes : NULL;
+    w.wdec = region;
+    w.pf_count = region ? (int *)(region + r.count) : NULL;
+    w.pf_tiles = region ? (int *)(region + r.tiles) : NULL;
+    w.bytes += r.bytes;
   }
   return w;
 }

@@ -338,10 +338,22 @@ MM_SM90_HD size_t mm_sm90_prefill_count_bytes(int E, int chunk) {
 MM_SM90_HD size_t mm_sm90_prefill_tile_count_bytes(int num_rows_max) {
   return mm_sm90_align256(sizeof(int) * (size_t)mm_sm90_rows_padded(num_rows_max));
 }
+/* the region's parts as byte offsets from its start (the weights at 0) */
+typedef struct {
+  size_t count; /* the decode counts */
+  size_t tiles; /* the token tiles' unit counts */
+  size_t bytes; /* the whole region */
+} mm_sm90_prefill_region;
+MM_SM90_HD mm_sm90_prefill_region mm_sm90_prefill_region_layout(int E, int H, int I, int chunk,
+                                                                int num_rows_max) {
+  mm_sm90_prefill_region r;
+  r.count = mm_sm90_prefill_weight_bytes(H, I, chunk);
+  r.tiles = r.count + mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk));
+  r.bytes = r.tiles + mm_sm90_prefill_tile_count_bytes(num_rows_max);
+  return r;
+}
 MM_SM90_HD size_t mm_sm90_prefill_region_bytes(int E, int H, int I, int chunk, int num_rows_max) {
-  return mm_sm90_prefill_weight_bytes(H, I, chunk) +
-         mm_sm90_align256(mm_sm90_prefill_count_bytes(E, chunk)) +
-         mm_sm90_prefill_tile_count_bytes(num_rows_max);
+  return mm_sm90_prefill_region_layout(E, H, I, chunk, num_rows_max).bytes;
 }
 
 /* The prefill path's work units of one expert of `tiles` token tiles, nt

@@ -807,10 +807,11 @@ static void test_prefill_tile_counts(void) {
     const int mp = mm_sm90_rows_padded(M);
     bad += mp < M || mp % 64 || mm_sm90_prefill_tile_count_bytes(M) < sizeof(int) * (size_t)mp;
     const int chunk = 1 + (int)(mm_test_rand_u64() % MM_SM90_PREFILL_CHUNK);
-    bad += mm_sm90_prefill_region_bytes(E > 0 ? E : 1, 256, 128, chunk, M) !=
-           mm_sm90_prefill_weight_bytes(256, 128, chunk) +
-               mm_sm90_align256(mm_sm90_prefill_count_bytes(E > 0 ? E : 1, chunk)) +
-               mm_sm90_prefill_tile_count_bytes(M);
+    /* the parts in order, 256-byte aligned, none overlapping the next */
+    const mm_sm90_prefill_region rg = mm_sm90_prefill_region_layout(E > 0 ? E : 1, 256, 128, chunk, M);
+    bad += rg.count != mm_sm90_prefill_weight_bytes(256, 128, chunk) || rg.count % 256 ||
+           rg.tiles % 256 || rg.tiles - rg.count < mm_sm90_prefill_count_bytes(E > 0 ? E : 1, chunk) ||
+           rg.bytes - rg.tiles < sizeof(int) * (size_t)mp;
     /* expert offsets: E + 1 sorted cuts of [0, M] */
     static int cut[42];
     static unsigned char used[5000];
