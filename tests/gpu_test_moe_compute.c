@@ -387,20 +387,57 @@ static void check_intermediate(const dense_expert *ex, const int *offs, int E, c
   CHECK_EQ_INT(sbad, 0);
 }
 
-/* L2 of the reference from a given intermediate (the GPU's): isolates L2. */
-static void ref_l2(const dense_expert *e, int m, const uint8_t *aq, const float *as, uint16_t *out) {
+/* L2 of the reference from a given intermediate (the GPU's): isolates L2.
+ * Optionally each value before its BF16 rounding (exact, float64) and its
+ * magnitude sum |r2| sum_c |x_c w_c| (mag), which bound any accumulation
+ * order's error as in L1. */
+static void ref_l2(const dense_expert *e, int m, const uint8_t *aq, const float *as, uint16_t *out,
+                   double *exact, double *mag) {
   const int H = e->H, I = e->I;
   double *x = malloc(sizeof(double) * I);
   for (int i = 0; i < m; i++) {
     for (int c = 0; c < I; c++)
       x[c] = (double)mm_e4m3_to_float(aq[(size_t)i * I + c]) * as[(size_t)i * (I / 128) + c / 128];
     for (int h = 0; h < H; h++) {
-      double acc = 0;
-      for (int c = 0; c < I; c++) acc += x[c] * (double)e->w2[(size_t)h * I + c];
-      out[(size_t)i * H + h] = mm_float_to_bf16((float)(acc * (double)e->r2[h]));
+      double acc = 0, acc_abs = 0;
+      for (int c = 0; c < I; c++) {
+        const double term = x[c] * (double)e->w2[(size_t)h * I + c];
+        acc += term;
+        acc_abs += fabs(term);
+      }
+      const size_t o = (size_t)i * H + h;
+      out[o] = mm_float_to_bf16((float)(acc * (double)e->r2[h]));
+      if (exact) exact[o] = acc * (double)e->r2[h];
+      if (mag) mag[o] = acc_abs * fabs((double)e->r2[h]);
     }
   }
   free(x);
+}
+
+/* L2 value by value against its exact sum: equal to the reference's BF16,
+ * or one BF16 rounding from the exact value (|got - exact| <= 2^-8 |exact|:
+ * a near-tie that the kernel's sum rounded to the other side), or that plus
+ * the accumulation error tau * sum |x w| allows (a QGMMA sum's lost low bits
+ * where the terms cancel). Returns the values that none of these explains,
+ * printing the first few; *by_sum counts the values only the last
+ * explains. */
+static size_t check_l2_values(const uint16_t *got, const uint16_t *ref, const double *exact,
+                              const double *mag, size_t n, int H, double tau, size_t *by_sum) {
+  size_t bad = 0;
+  *by_sum = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (got[i] == ref[i]) continue;
+    const double g = mm_bf16_to_float(got[i]), d = fabs(g - exact[i]), one = 0x1p-8 * fabs(exact[i]);
+    if (d <= one) continue;
+    if (d <= one + tau * mag[i]) {
+      ++*by_sum;
+      continue;
+    }
+    if (bad++ < 4)
+      printf("#     L2 row %zu col %zu: got %.6g, exact %.6g, sum |x w| %.3g: %.2f of tau's allowance\n",
+             i / (size_t)H, i % (size_t)H, g, exact[i], mag[i], (d - one) / (tau * mag[i]));
+  }
+  return bad;
 }
 
 static int g_have_wgmma_fail = 0;
@@ -538,6 +575,8 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
         *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
   uint16_t *ref2 = malloc(2 * (size_t)M * H), *ref_fold = malloc(2 * (size_t)M * H);
+  double *exact2 = malloc(sizeof(double) * ((size_t)M * H + 1)),
+         *mag2 = malloc(sizeof(double) * ((size_t)M * H + 1));
   l1_dots dots;
   const size_t nd = (size_t)M * I + 1;
   dots.g = malloc(sizeof(double) * nd), dots.u = malloc(sizeof(double) * nd);
@@ -553,7 +592,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
     /* mode 3: the end-to-end reference with its folded weights */
     if (mode == MM_WMODE_G16_FP8)
       ref_l2(&dx[e], counts[e], rq + o, rsc + (size_t)offs[e] * (I / 128),
-             ref_fold + (size_t)offs[e] * H);
+             ref_fold + (size_t)offs[e] * H, NULL, NULL);
   }
   /* the clamp shape must clamp: its gates above the clamp take the
    * epilogue's silu of the clamp (silu_c), not the table */
@@ -620,7 +659,8 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        *    small case by ~1e-3 on its own, so the end-to-end error is not
        *    the right gauge of L1.
        * 2. L2: the output within 1e-3 of the reference L2 applied to the
-       *    GPU's own intermediate.
+       *    GPU's own intermediate, without its one-step rounding flips,
+       *    which are counted (FP32 sums) or checked value by value (QGMMA).
        * 3. End to end against the full reference: printed, bounded loosely.
        * tau, the accumulation error allowed in L1 relative to sum |x w|:
        * FP32 accumulation (CUDA cores; F16 HGMMA: modes 2 and 4) 2^-16; FP8
@@ -635,22 +675,23 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * H200 in mode 1, its L1
        * codes also differ away from near-ties (e.g. 0x88 for 0x81, 0x5a for
        * 0x5b), by one code step or by little against the block's range, in
-       * 0.5% of the codes, and its L2 runs at 0.8-1.8e-3. Bounds for it: one
-       * step or 2^-8 of the block's range, at most 2% of the codes; L2 5e-3.
-       * Exact-sum data still pins its decode bit for bit. */
+       * 0.5% of the codes. Bounds for it: one step or 2^-8 of the block's
+       * range, at most 2% of the codes. Exact-sum data still pins its
+       * decode bit for bit. */
       const double abs_slack = qg && !s->exact ? 0x1p-8 : 0.0;
       /* Of the codes, mode 1 measured up to 0.76% a step away (bound 2%);
        * mode 3, whose folded weights carry three mantissa bits (mode 1's
        * one), so that more of the QGMMA's sums lose low bits, 0.7-1.8%
        * (H 1280 the most: 1.6-1.8% in four runs; bound 4%). */
       const double diff_frac = mode == MM_WMODE_G16_FP8 ? 0.04 : 0.02;
-      /* L2's input is the GPU's intermediate, not exact-sum data, so the
-       * QGMMA bound holds there for exact-sum cases too (measured 1.016e-3
-       * on one with 32-wide tiles forced). The FP32-accumulating paths are
-       * held to 1e-3 without their one-step rounding flips (rel_frob_flips),
-       * and those to 0.2% of the values and 4 (measured at most 0.04%: 1 of
-       * 2500 values; 52 of 1.05 million in the largest case). */
-      const double l2_tol = qg ? 5e-3 : 1e-3;
+      /* L2, every path: 1e-3 without the values one BF16 step from the
+       * reference (rel_frob_flips), as the issue asks. The flips: on the
+       * FP32-accumulating paths at most 0.2% of the values and 4 (measured
+       * at most 0.04%: 1 of 2500 values; 52 of 1.05 million in the largest
+       * case); on the QGMMA paths, whose sums lose low bits, about 3% of
+       * the values (rel 0.3-1.8e-3 with them), so there each value is held
+       * to its exact sum instead (check_l2_values). */
+      const double l2_tol = 1e-3;
       /* End to end, loosely. Mode 1 on the extreme-exponent data: its
        * legitimate near-tie flips in L1 (checked code by code below) land on
        * channels that the 2^60-scaled down projection amplifies; seed
@@ -700,20 +741,38 @@ static void run_case(mm_weight_mode mode, const shape *s) {
                            rq, rsc, I, path_name(path), qg && !s->exact ? 2e-2 : 1e-6);
         for (int e = 0; e < E; e++)
           ref_l2(&dx[e], counts[e], gq + (size_t)offs[e] * I, gsc + (size_t)offs[e] * (I / 128),
-                 ref2 + (size_t)offs[e] * H);
+                 ref2 + (size_t)offs[e] * H, exact2 + (size_t)offs[e] * H,
+                 mag2 + (size_t)offs[e] * H);
         int nan2;
+        const size_t n2 = (size_t)(Mused - lead) * H;
         const uint16_t *g2 = got + (size_t)lead * H, *r2 = ref2 + (size_t)lead * H;
         const double rel2 = rel_frob(g2, r2, Mused - lead, H, &nan2);
-        size_t flips = 0;
-        const double rel2x = qg ? rel2 : rel_frob_flips(g2, r2, Mused - lead, H, &flips);
-        const size_t max_flips = (size_t)(Mused - lead) * H / 500 + 4;
-        printf("#   %s L2 from the GPU's intermediate: rel %.3e", path_name(path), rel2);
-        if (!qg) printf(", %.3e without its %zu one-step flips (at most %zu)", rel2x, flips, max_flips);
+        size_t flips = 0, by_sum = 0;
+        const double rel2x = rel_frob_flips(g2, r2, Mused - lead, H, &flips);
+        /* the QGMMA paths: value by value instead of a count of flips (and
+         * no longer rel with the flips in, bounded at 5e-3 until the
+         * fifty-ninth stop: one flip on a value that dominates a case's
+         * norm moves it by up to 2^-7 alone; seed 1796611622, extreme
+         * exponents, the huge row's 5.89e14 at a near-tie, gave 5.6e-3 on
+         * the prefill path, whose sum rounded the other way from the WGMMA
+         * path's, 1.1e-4) */
+        const size_t max_flips = qg ? n2 : n2 / 500 + 4;
+        /* L1's tau, but for exact-sum data: L2's input is the GPU's
+         * intermediate, whose sums are not exact (see l2_tol) */
+        const double tau_l2 = qg ? 0x1p-10 : 0x1p-16;
+        const size_t bad2 = qg ? check_l2_values(g2, r2, exact2 + (size_t)lead * H,
+                                                 mag2 + (size_t)lead * H, n2, H, tau_l2, &by_sum)
+                               : 0;
+        printf("#   %s L2 from the GPU's intermediate: rel %.3e, %.3e without its %zu one-step flips",
+               path_name(path), rel2, rel2x, flips);
+        if (qg) printf(" (%zu values within tau of their sum |x w| only, %zu beyond)", by_sum, bad2);
+        else printf(" (at most %zu)", max_flips);
         printf(" (tol %.1e)\n", l2_tol);
-        if (!(rel2x <= l2_tol) || flips > max_flips)
+        if (!(rel2x <= l2_tol) || flips > max_flips || bad2)
           report_worst("L2 against the reference from the GPU's intermediate", g2, r2, Mused - lead, H);
         CHECK(rel2x <= l2_tol);
         CHECK(flips <= max_flips);
+        CHECK_EQ_INT(bad2, 0);
       }
       /* the F16 modes stage their copy of x in out, mode 3 on the WGMMA path */
       check_out_rows(L, &pool, s->clamp, d_ws, wsb, (mm_sm90_path)path, got, lead, Mused, H,
@@ -744,6 +803,8 @@ done:
   free(rsc);
   free(gsc);
   free(ref2);
+  free(exact2);
+  free(mag2);
   free(dots.g), free(dots.u), free(dots.ga), free(dots.ua);
 }
 
