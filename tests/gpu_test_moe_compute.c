@@ -688,7 +688,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * reference (rel_frob_flips), as the issue asks. The flips: on the
        * FP32-accumulating paths at most 0.2% of the values and 4 (measured
        * at most 0.04%: 1 of 2500 values; 52 of 1.05 million in the largest
-       * case); on the QGMMA paths, whose sums lose low bits, about 3% of
+       * case); on the QGMMA paths, whose sums lose low bits, 3-4% of
        * the values (rel 0.3-1.8e-3 with them), so there each value is held
        * to its exact sum instead (check_l2_values). */
       const double l2_tol = 1e-3;
