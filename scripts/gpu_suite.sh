@@ -117,6 +117,15 @@ if [[ " $steps " == *" sanitizer "* ]]; then
         timeout 400 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
         "$t" >"$out/$name.$tool.log" 2>&1
       row "$name ($tool)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.$tool.log" | tail -1)"
+      # The prefill path with one cluster walking every unit (its ring
+      # wraps, narrow units follow wide ones): the open racecheck report
+      # (docs/RELIABILITY.md) shows here, not under the default grid.
+      if [ "$name" = gpu_test_moe_compute ] && [ "$tool" = racecheck ]; then
+        MEGAMOE_TEST_QUICK=1 MEGAMOE_TEST_PATH=prefill MEGAMOE_SM90_GRID=3 \
+          timeout 400 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 99 \
+          "$t" >"$out/$name.racecheck.prefill_grid3.log" 2>&1
+        row "$name prefill GRID=3 (racecheck)" "rc=$? $(grep -E 'RACECHECK SUMMARY' "$out/$name.racecheck.prefill_grid3.log" | tail -1)"
+      fi
     done
   done
   # The op's whole path through the ABI (load, GPU packing and requant,
