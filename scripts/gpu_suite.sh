@@ -109,22 +109,26 @@ if [[ " $steps " == *" sanitizer "* ]]; then
   # under racecheck take minutes and are not ours to check. API errors are
   # not reported: NCCL probes kernel images with cudaFuncGetAttributes and
   # takes the "no kernel image" answers in its stride.
+  # sanitize LABEL LOG [VAR=VALUE ...]: test binary $t under $tool, one row
+  sanitize() {
+    local label=$1 log=$2
+    shift 2
+    env MEGAMOE_TEST_QUICK=1 MEGAMOE_EP_TEST_ONLY=engine MEGAMOE_TEST_REPLAYS=3 "$@" \
+      timeout 400 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+      "$t" >"$log" 2>&1
+    row "$label ($tool)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+  }
   for t in $(for pat in ${GPU_SUITE_SANITIZE:-gpu_test_*}; do echo "$pack"/tests/$pat; done); do
     [ -x "$t" ] || continue
     name=$(basename "$t")
     for tool in ${GPU_SUITE_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-      MEGAMOE_TEST_QUICK=1 MEGAMOE_EP_TEST_ONLY=engine MEGAMOE_TEST_REPLAYS=3 \
-        timeout 400 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 \
-        "$t" >"$out/$name.$tool.log" 2>&1
-      row "$name ($tool)" "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.$tool.log" | tail -1)"
+      sanitize "$name" "$out/$name.$tool.log"
       # The prefill path with one cluster walking every unit (its ring
       # wraps, narrow units follow wide ones): the open racecheck report
       # (docs/RELIABILITY.md) shows here, not under the default grid.
       if [ "$name" = gpu_test_moe_compute ] && [ "$tool" = racecheck ]; then
-        MEGAMOE_TEST_QUICK=1 MEGAMOE_TEST_PATH=prefill MEGAMOE_SM90_GRID=3 \
-          timeout 400 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 99 \
-          "$t" >"$out/$name.racecheck.prefill_grid3.log" 2>&1
-        row "$name prefill GRID=3 (racecheck)" "rc=$? $(grep -E 'RACECHECK SUMMARY' "$out/$name.racecheck.prefill_grid3.log" | tail -1)"
+        sanitize "$name prefill GRID=3" "$out/$name.racecheck.prefill_grid3.log" \
+          MEGAMOE_TEST_PATH=prefill MEGAMOE_SM90_GRID=3
       fi
     done
   done
