@@ -677,9 +677,9 @@ __global__ void __launch_bounds__(384, 1)
          * staging reads done. An mbarrier, not a 256-thread named barrier:
          * racecheck misorders a named barrier between warpgroups that have
          * passed other named barriers unequal numbers of times, as the wide
-         * units' epilogues make them (a probe kernel reproduces it with
-         * correct data; docs/RELIABILITY.md). Same speed, and the tool stays
-         * a usable check of this path */
+         * units' epilogues make them (scripts/racecheck_probe.cu reproduces
+         * it with correct values; docs/RELIABILITY.md). Same speed, and the
+         * tool stays a usable check of this path */
         mbar_arrive(xbar);
         mbar_wait(xbar, xphase);
         uint8_t *const stg1 = sm + G::kOffStg; /* [N tokens][128 channels] */
