@@ -34,7 +34,12 @@ for ((r = 1; r <= rounds; r++)); do
       out=$("$b" $args "${extra[@]}" 2>&1)
       rc=$?
       grep -E '^\| [0-9]' <<< "$out" >&2
-      [ $rc = 0 ] || echo "bench_ab: $v failed (rc $rc): $(tail -1 <<< "$out")" >&2
+      if [ $rc != 0 ]; then
+        # its message: the last line that is not the table's (stdout comes
+        # after stderr's message when the bench exits)
+        msg=$(grep -vE '^[|#]' <<< "$out" | tail -1)
+        echo "bench_ab: $v failed (rc $rc): ${msg:-$(tail -1 <<< "$out")}" >&2
+      fi
       awk -F'|' -v v="$v" -v a="$a" '/^\| [0-9]/ { gsub(/^ +| +$/, "", $2); print a "|" $2 "|" v "|" $4 + 0 }' \
         <<< "$out" >> "$results"
     done
