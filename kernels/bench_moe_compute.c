@@ -33,7 +33,9 @@
  * combine's per-source segments (moe_compute.h mm_expert_pool.out_rows);
  * --path: auto (the default) runs what the product picks per call (the FP8
  * modes' prefill path from mm_sm90_prefill_min_rows rows per expert, else the
- * WGMMA kernels); wgmma, prefill and simt force one;
+ * WGMMA kernels); wgmma, prefill and simt force one (prefill below that
+ * rule's rows needs MEGAMOE_SM90_PREFILL=1 too: without it the workspace
+ * is planned without the prefill path's region, and the call refuses);
  * --prefill-experts: experts per launch pair of the prefill path
  * (compute.prefill-experts, 1-32; default 16);
  * --warmup-ms t: every measurement (ceilings, ours, baselines) first runs its
