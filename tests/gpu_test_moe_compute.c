@@ -576,8 +576,10 @@ static void run_case(mm_weight_mode mode, const shape *s) {
   float *rsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1)),
         *gsc = malloc(sizeof(float) * ((size_t)M * (I / 128) + 1));
   uint16_t *ref2 = malloc(2 * (size_t)M * H), *ref_fold = malloc(2 * (size_t)M * H);
-  double *exact2 = malloc(sizeof(double) * ((size_t)M * H + 1)),
-         *mag2 = malloc(sizeof(double) * ((size_t)M * H + 1));
+  /* L2's exact sums and magnitudes: only the QGMMA paths (FP8 modes) check them */
+  const int fp8_mode = mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G16_FP8;
+  double *exact2 = fp8_mode ? malloc(sizeof(double) * ((size_t)M * H + 1)) : NULL,
+         *mag2 = fp8_mode ? malloc(sizeof(double) * ((size_t)M * H + 1)) : NULL;
   l1_dots dots;
   const size_t nd = (size_t)M * I + 1;
   dots.g = malloc(sizeof(double) * nd), dots.u = malloc(sizeof(double) * nd);
@@ -669,8 +671,7 @@ static void run_case(mm_weight_mode mode, const shape *s) {
        * FP32 promotions every 128 K (DeepSeek-V3 sec. 3.3), 2^-10; exact-sum
        * data 0. Mode 3's reference takes its folded weights (dense_expert),
        * so the same checks and bounds hold for it. */
-      const int qg = path != MM_SM90_PATH_SIMT &&
-                     (mode == MM_WMODE_G32_FP8 || mode == MM_WMODE_G16_FP8);
+      const int qg = path != MM_SM90_PATH_SIMT && fp8_mode;
       const double tau_sums = qg ? 0x1p-10 : 0x1p-16;
       const double tau = s->exact ? 0.0 : tau_sums;
       /* The QGMMA paths are the fast, approximate ones: measured on the
