@@ -144,8 +144,7 @@ float expected(int units, int tid, int blk) {
     for (int j = 0; j < 2; j++)
       for (int b = 0; b < 2; b++) {
         float m = 0.0f;
-        for (int s = 128; s < kThreads; s++)
-          if (s % 4 == q && probe_value(u, s, j, b, blk) > m) m = probe_value(u, s, j, b, blk);
+        for (int s = 128 + q; s < kThreads; s += 4) m = fmaxf(m, probe_value(u, s, j, b, blk));
         acc += m;
       }
   return acc;
